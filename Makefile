@@ -1,0 +1,29 @@
+# Everything starts from a fresh machine with only Python 3.11 and pip.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: venv test lint demo bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev,examples]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(PY) -m pytest tests
+
+lint: venv
+	$(VENV)/bin/ruff check jaxcomm tests benchmarks examples
+
+demo: venv
+	$(VENV)/bin/jaxcomm demo
+
+bench: venv
+	$(PY) benchmarks/onebit_1gbit.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,470 @@
+"""Local multi-process launcher (torchrun-style) for tests, benchmarks and, later, the CLI.
+
+:func:`launch_local` starts ``num_processes`` copies of a command on this machine with the
+environment :func:`jaxcomm.distributed.init_distributed` reads (``MASTER_ADDR=127.0.0.1``,
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), captures each
+rank's output, and tears everything down as soon as one rank fails or the timeout passes: each
+rank runs in its own process group, which is killed as a whole, so nothing is left behind.
+
+Optionally all ranks share one private network namespace whose loopback is shaped with ``tc``
+(token bucket rate, optional ``netem`` delay), which turns one machine into a stand-in for a
+slow cluster network. That needs root, ``unshare``, ``nsenter``, ``ip`` and ``tc``;
+:func:`can_shape_network` says whether it works here.
+
+Example::
+
+  from jaxcomm.launch import launch_local
+  result = launch_local(2, [sys.executable, "train.py"], timeout=120)
+  result.check()          # raises LaunchError naming the failed rank
+  print(result.output)    # "[rank 0] ..." lines, in arrival order
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+__all__ = [
+    "LaunchError",
+    "LaunchResult",
+    "can_shape_network",
+    "find_free_port",
+    "launch_local",
+    "network_shaping_problem",
+    "shaped_network",
+]
+
+_LOCALHOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+
+# Environment that would make children pick another coordinator than the one we assign.
+_STRIP_ENV = ("JAXCOMM_COORDINATOR", "JAX_COORDINATOR_ADDRESS", "OMPI_COMM_WORLD_RANK")
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """Outcome of :func:`launch_local`.
+
+    Attributes:
+      returncodes: Exit status per rank; negative for ranks killed by a signal (``-15``,
+        ``-9``) because another rank failed or the timeout passed.
+      outputs: Captured stdout+stderr per rank, without prefixes.
+      output: All ranks' lines prefixed with ``[rank r]``, in the order they arrived.
+      failed_rank: The first rank that exited with a non-zero status, or ``None``.
+      timed_out: Whether the timeout passed before all ranks finished.
+      elapsed: Wall-clock seconds from the first start to the last exit.
+      port: The coordinator port that was used.
+    """
+
+    returncodes: tuple[int, ...]
+    outputs: tuple[str, ...]
+    output: str
+    failed_rank: int | None
+    timed_out: bool
+    elapsed: float
+    port: int
+
+    @property
+    def ok(self) -> bool:
+        """True when every rank exited with status 0."""
+        return not self.timed_out and all(rc == 0 for rc in self.returncodes)
+
+    def describe(self) -> str:
+        """One line: success, the failed rank and its exit code, or the timeout."""
+        if self.timed_out:
+            running = [r for r, rc in enumerate(self.returncodes) if rc < 0]
+            return f"timed out after {self.elapsed:.1f}s (ranks killed: {running})"
+        if self.failed_rank is not None:
+            rc = self.returncodes[self.failed_rank]
+            return f"rank {self.failed_rank} exited with code {rc} after {self.elapsed:.1f}s"
+        return f"all {len(self.returncodes)} ranks succeeded in {self.elapsed:.1f}s"
+
+    def check(self) -> LaunchResult:
+        """Returns ``self`` if all ranks succeeded, else raises :class:`LaunchError`."""
+        if not self.ok:
+            raise LaunchError(self)
+        return self
+
+
+class LaunchError(RuntimeError):
+    """A launched rank failed or timed out; ``.result`` holds the :class:`LaunchResult`."""
+
+    def __init__(self, result: LaunchResult, tail_lines: int = 40):
+        self.result = result
+        tail = "\n".join(result.output.splitlines()[-tail_lines:])
+        super().__init__(f"{result.describe()}\n--- last output ---\n{tail}")
+
+
+def find_free_port(host: str = _LOCALHOST) -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    # Ranks must not outlive a launcher that is itself killed (e.g. a pytest timeout).
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _terminate(procs: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM every live process group, then SIGKILL whatever is left after ``grace`` s."""
+    for p in procs:
+        if p.poll() is None:
+            _kill_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        # Also reaps grandchildren that ignored SIGTERM, even when the leader already exited.
+        _kill_group(p, signal.SIGKILL)
+        p.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# Shaped network namespace.
+# --------------------------------------------------------------------------------------------
+
+
+def _tc_script(rate: str | None, delay: str | None, burst: str) -> str:
+    """Shell commands that bring up ``lo`` and shape it inside a fresh namespace."""
+    cmds = ["ip link set lo up"]
+    # Each packet crosses lo's egress once, so a delay d adds d one way, 2d per round trip.
+    if delay and rate:
+        cmds.append(f"tc qdisc add dev lo root handle 1: netem delay {shlex.quote(delay)}")
+        cmds.append(
+            f"tc qdisc add dev lo parent 1:1 handle 10: tbf rate {shlex.quote(rate)} "
+            f"burst {shlex.quote(burst)} latency 200ms"
+        )
+    elif delay:
+        cmds.append(f"tc qdisc add dev lo root netem delay {shlex.quote(delay)}")
+    elif rate:
+        cmds.append(
+            f"tc qdisc add dev lo root tbf rate {shlex.quote(rate)} "
+            f"burst {shlex.quote(burst)} latency 200ms"
+        )
+    return " && ".join(cmds)
+
+
+_NETNS_TOOLS = ("unshare", "nsenter", "ip", "tc")
+
+
+def _netns_prerequisites() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "network shaping needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "network shaping needs root (unshare -n, tc)"
+    missing = [t for t in _NETNS_TOOLS if shutil.which(t) is None]
+    if missing:
+        return f"network shaping needs {', '.join(missing)} on PATH"
+    return None
+
+
+@functools.cache
+def network_shaping_problem(
+    rate: str | None = "1gbit", delay: str | None = None, burst: str = "256kb"
+) -> str | None:
+    """Why a shaped namespace cannot be made here, or ``None`` if it can.
+
+    Checks root and the tools, then really creates a throwaway namespace and applies the
+    ``tc`` setup (kernels without ``sch_netem``/``sch_tbf`` fail only at that point).
+    """
+    problem = _netns_prerequisites()
+    if problem:
+        return problem
+    script = _tc_script(rate, delay, burst)
+    try:
+        proc = subprocess.run(
+            ["unshare", "-n", "-u", "sh", "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unshare -n failed: {e}"
+    if proc.returncode != 0:
+        err = (proc.stderr or proc.stdout).strip().splitlines()
+        return f"`unshare -n -u sh -c {script!r}` failed: {err[-1] if err else proc.returncode}"
+    return None
+
+
+def can_shape_network(
+    rate: str | None = "1gbit", delay: str | None = None, burst: str = "256kb"
+) -> bool:
+    """Whether :func:`launch_local` can run ranks on a loopback shaped to ``rate``/``delay``."""
+    return network_shaping_problem(rate, delay, burst) is None
+
+
+@contextlib.contextmanager
+def shaped_network(
+    rate: str | None = "1gbit",
+    delay: str | None = None,
+    burst: str = "256kb",
+    *,
+    startup_timeout: float = 20.0,
+) -> Iterator[list[str]]:
+    """A private network + UTS namespace whose loopback is shaped; yields an ``nsenter`` prefix.
+
+    A holder process (``unshare -n -u`` then ``sleep``) owns the namespace for the duration of
+    the ``with`` block; prepend the yielded argv prefix to run a command inside it. The
+    hostname inside is ``localhost`` so that libraries which bind to "my hostname's address"
+    (gloo's TCP transport does) stay on loopback. Only ``lo`` exists inside.
+
+    Args:
+      rate: ``tc`` rate, e.g. ``"1gbit"``; ``None`` for no rate limit.
+      delay: ``netem`` one-way delay, e.g. ``"1ms"``; ``None`` for none.
+      burst: Token bucket size for ``tbf``.
+      startup_timeout: Seconds to wait for the namespace to be ready.
+
+    Raises:
+      RuntimeError: The namespace or the ``tc`` setup could not be created.
+    """
+    problem = _netns_prerequisites()
+    if problem:
+        raise RuntimeError(problem)
+    tc_setup = _tc_script(rate, delay, burst)
+    script = f"hostname localhost && {tc_setup} && echo ready && exec sleep infinity"
+    holder = subprocess.Popen(
+        ["unshare", "-n", "-u", "sh", "-c", script],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    try:
+        ready: list[str] = []
+        reader = threading.Thread(
+            target=lambda: ready.append(holder.stdout.readline() if holder.stdout else ""),
+            daemon=True,
+        )
+        reader.start()
+        reader.join(startup_timeout)
+        if not ready or ready[0].strip() != "ready":
+            _terminate([holder], grace=0.5)
+            err = holder.stderr.read().strip() if holder.stderr else ""
+            raise RuntimeError(f"could not create shaped namespace ({script!r}): {err}")
+        pid = holder.pid
+        yield ["nsenter", f"--net=/proc/{pid}/ns/net", f"--uts=/proc/{pid}/ns/uts", "--"]
+    finally:
+        _terminate([holder], grace=0.5)
+        for stream in (holder.stdout, holder.stderr):
+            if stream:
+                stream.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher.
+# --------------------------------------------------------------------------------------------
+
+
+def _rank_env(base: Mapping[str, str], rank: int, world: int, port: int) -> dict[str, str]:
+    env = dict(base)
+    for key in _STRIP_ENV:
+        env.pop(key, None)
+    env.update(
+        MASTER_ADDR=_LOCALHOST,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        # Keep the coordinator on loopback instead of JAX's default of all interfaces.
+        JAX_COORDINATOR_BIND_ADDRESS=f"{_LOCALHOST}:{port}",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _pump(
+    rank: int,
+    stream: TextIO,
+    lines: list[str],
+    merged: list[str],
+    lock: threading.Lock,
+    echo: TextIO | None,
+) -> None:
+    """Copies one rank's output into ``lines`` and the prefixed ``merged`` log."""
+    for line in iter(stream.readline, ""):
+        text = line.rstrip("\n")
+        prefixed = f"[rank {rank}] {text}"
+        with lock:
+            lines.append(text)
+            merged.append(prefixed)
+            if echo is not None:
+                echo.write(prefixed + "\n")
+                echo.flush()
+    stream.close()
+
+
+def launch_local(
+    num_processes: int,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    port: int | None = None,
+    timeout: float | None = None,
+    netns_rate: str | None = None,
+    netns_delay: str | None = None,
+    netns_burst: str = "256kb",
+    cwd: str | os.PathLike[str] | None = None,
+    echo: bool | TextIO = False,
+    kill_grace: float = 2.0,
+    poll_interval: float = 0.05,
+) -> LaunchResult:
+    """Runs ``num_processes`` ranks of ``argv`` on this machine and waits for them.
+
+    Each rank gets ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (so :func:`jaxcomm.distributed.init_distributed`
+    needs no arguments), ``PYTHONUNBUFFERED=1``, and its own process group. When a rank exits
+    non-zero, or ``timeout`` passes, all other ranks' groups get SIGTERM, then SIGKILL after
+    ``kill_grace`` seconds. Ranks also get SIGKILL if the launching thread dies.
+
+    With ``netns_rate`` or ``netns_delay``, all ranks run inside one private network namespace
+    (see :func:`shaped_network`) where only the shaped loopback exists.
+
+    Args:
+      num_processes: Number of ranks.
+      argv: Command to run for every rank, e.g. ``[sys.executable, "worker.py", out_dir]``.
+      env: Extra environment on top of ``os.environ`` (the launcher's own variables win).
+      port: Coordinator port; default: a free port on 127.0.0.1.
+      timeout: Seconds before everything is killed; ``None`` waits forever.
+      netns_rate: Loopback rate for ``tc tbf``, e.g. ``"1gbit"``.
+      netns_delay: One-way loopback delay for ``tc netem``, e.g. ``"500us"``.
+      netns_burst: ``tbf`` bucket size.
+      cwd: Working directory of the ranks.
+      echo: Also write prefixed lines as they arrive: ``True`` for ``sys.stderr``, or a stream.
+      kill_grace: Seconds between SIGTERM and SIGKILL when tearing down.
+      poll_interval: Seconds between checks of the ranks' status.
+
+    Returns:
+      A :class:`LaunchResult`; call ``.check()`` to raise on failure.
+    """
+    if num_processes < 1:
+        raise ValueError(f"num_processes={num_processes} must be >= 1.")
+    if not argv:
+        raise ValueError("argv must name a command.")
+    echo_stream: TextIO | None = sys.stderr if echo is True else (echo or None)
+    port = find_free_port() if port is None else int(port)
+    base_env = {**os.environ, **(env or {})}
+
+    with contextlib.ExitStack() as stack:
+        prefix: list[str] = []
+        if netns_rate or netns_delay:
+            prefix = stack.enter_context(shaped_network(netns_rate, netns_delay, netns_burst))
+        return _run_ranks(
+            num_processes,
+            [*prefix, *argv],
+            base_env,
+            port,
+            timeout,
+            cwd,
+            echo_stream,
+            kill_grace,
+            poll_interval,
+        )
+
+
+def _run_ranks(
+    n: int,
+    argv: list[str],
+    base_env: Mapping[str, str],
+    port: int,
+    timeout: float | None,
+    cwd: str | os.PathLike[str] | None,
+    echo: TextIO | None,
+    kill_grace: float,
+    poll_interval: float,
+) -> LaunchResult:
+    lock = threading.Lock()
+    merged: list[str] = []
+    per_rank: list[list[str]] = [[] for _ in range(n)]
+    procs: list[subprocess.Popen] = []
+    readers: list[threading.Thread] = []
+    start = time.monotonic()
+    failed_rank: int | None = None
+    timed_out = False
+    try:
+        # Start every rank before any reader thread: preexec_fn is only safe without threads.
+        for rank in range(n):
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    env=_rank_env(base_env, rank, n, port),
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    errors="replace",
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+            )
+        readers = [
+            threading.Thread(
+                target=_pump,
+                args=(r, p.stdout, per_rank[r], merged, lock, echo),
+                daemon=True,
+            )
+            for r, p in enumerate(procs)
+        ]
+        for t in readers:
+            t.start()
+
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [r for r, rc in enumerate(codes) if rc not in (None, 0)]
+            if bad:
+                # Codes are read before we kill anything, so this rank failed on its own.
+                failed_rank = bad[0]
+                break
+            if all(rc == 0 for rc in codes):
+                break
+            if timeout is not None and time.monotonic() - start > timeout:
+                timed_out = True
+                break
+            time.sleep(poll_interval)
+    finally:
+        _terminate(procs, kill_grace)
+    elapsed = time.monotonic() - start
+    for t in readers:
+        t.join(timeout=5.0)
+    with lock:
+        return LaunchResult(
+            returncodes=tuple(int(p.returncode) for p in procs),
+            outputs=tuple("\n".join(lines) for lines in per_rank),
+            output="\n".join(merged),
+            failed_rank=failed_rank,
+            timed_out=timed_out,
+            elapsed=elapsed,
+            port=port,
+        )

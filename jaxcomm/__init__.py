@@ -1,0 +1,39 @@
+"""jaxcomm: compressed, coalesced collectives for distributed training in JAX."""
+
+from jaxcomm.collectives import (
+    ReduceState,
+    ScatterState,
+    compressed_all_gather,
+    compressed_pmean,
+    compressed_pmean_scatter,
+    compressed_psum,
+    compressed_psum_scatter,
+    init_state,
+    shard_shapes,
+)
+from jaxcomm.compressors import (
+    Compressor,
+    NoCompression,
+    OneBit,
+    OneBitScatterState,
+    OneBitState,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Compressor",
+    "NoCompression",
+    "OneBit",
+    "OneBitScatterState",
+    "OneBitState",
+    "ReduceState",
+    "ScatterState",
+    "compressed_all_gather",
+    "compressed_pmean",
+    "compressed_pmean_scatter",
+    "compressed_psum",
+    "compressed_psum_scatter",
+    "init_state",
+    "shard_shapes",
+]

@@ -1,0 +1,67 @@
+"""Small shims over JAX APIs that moved between releases, and axis checks.
+
+jaxcomm targets jax >= 0.8 (``jax.shard_map`` with ``check_vma``). Everything that touches a
+private or recently renamed JAX symbol lives here so the rest of the package reads plainly.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+try:  # jax >= 0.7: the gather whose result is typed as replicated along the axis.
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+except ImportError:  # pragma: no cover - older or newer layouts
+    _all_gather_invariant = None
+
+
+def bound_axis_size(axis_name: str) -> int:
+    """Size of a bound mesh/pmap axis, or a clear error naming the unbound axis.
+
+    ``lax.axis_size`` raises a bare ``NameError: unbound axis name`` deep in tracing; users of a
+    collective deserve to be told where the axis has to come from.
+    """
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as err:
+        raise ValueError(
+            f"jaxcomm: axis name {axis_name!r} is not bound here. Call jaxcomm collectives inside "
+            f"jax.shard_map (over a mesh with axis {axis_name!r}) or jax.pmap(axis_name="
+            f"{axis_name!r}), or inside an optax update that runs there."
+        ) from err
+
+
+def _vma(x) -> frozenset:
+    """Axes along which ``x`` is typed device-varying (empty outside ``check_vma`` tracing)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.9 keeps the varying axes on aval.mat
+    if mat is not None and hasattr(mat, "varying"):
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def ensure_varying(x: jax.Array, axis_name: str) -> jax.Array:
+    """Mark ``x`` as varying along ``axis_name`` (a no-op outside ``check_vma`` tracing).
+
+    all_to_all and all_gather require device-varying operands under ``check_vma=True``; a
+    replicated input is, by definition, the same value on every device, so casting it is exact.
+    """
+    if axis_name in _vma(x):
+        return x
+    try:
+        return lax.pcast(x, axis_name, to="varying")
+    except (ValueError, TypeError, NameError):
+        # pmap and shard_map(check_vma=False) carry no varying-ness types.
+        return x
+
+
+def all_gather_replicated(x: jax.Array, axis_name: str) -> jax.Array:
+    """``all_gather`` (stacked on a new leading axis) whose result is typed as replicated.
+
+    A plain ``lax.all_gather`` result is typed device-varying under ``check_vma``, which would force
+    users to return reduced gradients/params with ``out_specs=P(axis)``. The values are identical
+    on every device, so the invariant variant states the truth.
+    """
+    if _all_gather_invariant is not None and axis_name in _vma(x):
+        return _all_gather_invariant(x, axis_name)
+    return lax.all_gather(x, axis_name)

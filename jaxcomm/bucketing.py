@@ -1,0 +1,203 @@
+"""Fused flatten of pytrees into size-bounded, dtype-homogeneous buckets.
+
+DeepSpeed coalesces many small tensors into one flat buffer so that one collective replaces
+hundreds (``reduce_scatter_coalesced``, the 1-bit optimizers' flat momentum). Here the same is done
+with ``jax.tree_util``: the *plan* (which leaves go in which bucket, at which offsets) is static
+Python data computed from shapes and dtypes at trace time, and the flatten/unflatten steps are
+plain ``jnp`` ops that XLA fuses.
+
+Two layouts are used:
+
+* **concatenated** (all-reduce): the bucket's leaves flattened and concatenated in tree order,
+  length ``N = sum(numel_i)``.
+* **rank-major** (reduce-scatter / all-gather, DeepSpeed's ``reduce_scatter_coalesced``): leaf ``i``
+  is zero-padded to ``n * c_i`` with ``c_i = ceil(numel_i / n)``; row ``r`` of the ``(n, C)``
+  buffer, ``C = sum(c_i)``, holds ``[r*c_i, (r+1)*c_i)`` of every leaf, so device ``r`` receives
+  its slice of every leaf from one collective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Static description of one bucket: which leaves it holds and how they are laid out.
+
+    Attributes:
+      leaf_ids: positions of the bucket's leaves in the flattened tree, in tree order.
+      shapes: the leaves' shapes.
+      dtypes: the leaves' dtypes (restored after the collective).
+      dtype: the buffer dtype the collective runs in.
+      exact: True for integer/bool leaves, which are always reduced exactly.
+    """
+
+    leaf_ids: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    dtype: np.dtype
+    exact: bool
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @property
+    def numel(self) -> int:
+        """Length ``N`` of the concatenated layout."""
+        return sum(self.sizes)
+
+    def shard_sizes(self, n: int) -> tuple[int, ...]:
+        """Per-device slice length ``c_i = ceil(numel_i / n)`` of each leaf."""
+        return tuple(-(-size // n) for size in self.sizes)
+
+    def shard_numel(self, n: int) -> int:
+        """Row length ``C = sum(c_i)`` of the rank-major layout."""
+        return sum(self.shard_sizes(n))
+
+
+def is_exact_dtype(dtype) -> bool:
+    """Integer and bool leaves are never compressed: a lossy integer sum is a silent bug."""
+    return not jnp.issubdtype(dtype, jnp.inexact)
+
+
+def check_leaves(leaves: Sequence) -> None:
+    """Reject leaves jaxcomm cannot reduce, naming the offending one."""
+    for i, leaf in enumerate(leaves):
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            raise TypeError(f"jaxcomm: leaf {i} is {type(leaf).__name__}, expected an array")
+        if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+            raise TypeError(f"jaxcomm: leaf {i} has complex dtype {leaf.dtype}, not supported")
+
+
+def plan_buckets(
+    leaves: Sequence,
+    bucket_bytes: int | None,
+    compute_dtype: Callable[[np.dtype], np.dtype],
+) -> tuple[Bucket, ...]:
+    """Group leaves into buckets.
+
+    Leaves are taken in tree order and grouped by buffer dtype (``compute_dtype(leaf.dtype)`` for
+    floating leaves, the leaf's own dtype for exact ones). With ``bucket_bytes=None`` each group is
+    one bucket; otherwise a group is cut into consecutive buckets of at most about
+    ``bucket_bytes`` bytes of buffer (a single larger leaf gets a bucket of its own; leaves are
+    never split, so one leaf's reduction never waits on another bucket).
+    """
+    if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+        raise ValueError(f"jaxcomm: bucket_bytes must be a positive int or None, got {bucket_bytes!r}")
+    check_leaves(leaves)
+    groups: dict[tuple[np.dtype, bool], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        exact = is_exact_dtype(leaf.dtype)
+        dtype = np.dtype(leaf.dtype) if exact else np.dtype(compute_dtype(np.dtype(leaf.dtype)))
+        groups.setdefault((dtype, exact), []).append(i)
+
+    buckets = []
+    for (dtype, exact), ids in groups.items():
+        current: list[int] = []
+        current_bytes = 0
+        for i in ids:
+            nbytes = math.prod(leaves[i].shape) * dtype.itemsize
+            if current and bucket_bytes is not None and current_bytes + nbytes > bucket_bytes:
+                buckets.append(_make_bucket(leaves, current, dtype, exact))
+                current, current_bytes = [], 0
+            current.append(i)
+            current_bytes += nbytes
+        if current:
+            buckets.append(_make_bucket(leaves, current, dtype, exact))
+    # Order buckets by their first leaf, so the first layers' gradients go out first.
+    return tuple(sorted(buckets, key=lambda b: b.leaf_ids[0]))
+
+
+def _make_bucket(leaves, ids: list[int], dtype: np.dtype, exact: bool) -> Bucket:
+    return Bucket(
+        leaf_ids=tuple(ids),
+        shapes=tuple(tuple(leaves[i].shape) for i in ids),
+        dtypes=tuple(np.dtype(leaves[i].dtype) for i in ids),
+        dtype=dtype,
+        exact=exact,
+    )
+
+
+def flatten_bucket(leaves: Sequence[jax.Array], bucket: Bucket) -> jax.Array:
+    """Concatenated layout: the bucket's leaves as one ``(N,)`` buffer of ``bucket.dtype``."""
+    parts = [jnp.ravel(leaves[i]).astype(bucket.dtype) for i in bucket.leaf_ids]
+    if not parts:
+        return jnp.zeros((0,), bucket.dtype)
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def unflatten_bucket(flat: jax.Array, bucket: Bucket, dtypes=None) -> list[jax.Array]:
+    """Inverse of :func:`flatten_bucket`; leaves come back in their own dtypes.
+
+    ``dtypes`` overrides the per-leaf dtypes (exact mean of integers is floating, as ``lax.pmean``).
+    """
+    out, offset = [], 0
+    dtypes = bucket.dtypes if dtypes is None else dtypes
+    for shape, size, dtype in zip(bucket.shapes, bucket.sizes, dtypes, strict=True):
+        out.append(flat[offset : offset + size].reshape(shape).astype(dtype))
+        offset += size
+    return out
+
+
+def flatten_bucket_rank_major(
+    leaves: Sequence[jax.Array], bucket: Bucket, n: int, row_length: int | None = None
+) -> jax.Array:
+    """Rank-major layout: an ``(n, row_length)`` buffer, row ``r`` = device ``r``'s slices.
+
+    ``row_length`` (default ``C``) lets a compressor ask for extra zero padding per row.
+    """
+    rows = []
+    for i, size, c in zip(bucket.leaf_ids, bucket.sizes, bucket.shard_sizes(n), strict=True):
+        flat = jnp.ravel(leaves[i]).astype(bucket.dtype)
+        rows.append(jnp.pad(flat, (0, n * c - size)).reshape(n, c))
+    row_length = bucket.shard_numel(n) if row_length is None else row_length
+    extra = row_length - bucket.shard_numel(n)
+    if extra:
+        rows.append(jnp.zeros((n, extra), bucket.dtype))
+    if not rows:
+        return jnp.zeros((n, 0), bucket.dtype)
+    return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+
+
+def split_shard(shard: jax.Array, bucket: Bucket, n: int) -> list[jax.Array]:
+    """Cut one device's row ``(C,)`` into its per-leaf slices ``(c_i,)`` (bucket dtype kept)."""
+    out, offset = [], 0
+    for c in bucket.shard_sizes(n):
+        out.append(shard[offset : offset + c])
+        offset += c
+    return out
+
+
+def join_shards(shards: Sequence[jax.Array], bucket: Bucket, n: int) -> jax.Array:
+    """Inverse of :func:`split_shard`: per-leaf slices of one device back into its ``(C,)`` row."""
+    expected = bucket.shard_sizes(n)
+    for k, (s, c) in enumerate(zip(shards, expected, strict=True)):
+        if s.shape != (c,):
+            raise ValueError(
+                f"jaxcomm: shard {k} of a bucket has shape {s.shape}, expected ({c},) for a leaf of "
+                f"shape {bucket.shapes[k]} over {n} devices"
+            )
+    parts = [s.astype(bucket.dtype) for s in shards]
+    if not parts:
+        return jnp.zeros((0,), bucket.dtype)
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def unflatten_rank_major(rows: jax.Array, bucket: Bucket, n: int) -> list[jax.Array]:
+    """Inverse of :func:`flatten_bucket_rank_major` from the gathered ``(n, >= C)`` buffer."""
+    out, offset = [], 0
+    for shape, size, c, dtype in zip(
+        bucket.shapes, bucket.sizes, bucket.shard_sizes(n), bucket.dtypes, strict=True
+    ):
+        flat = rows[:, offset : offset + c].reshape(n * c)[:size]
+        out.append(flat.reshape(shape).astype(dtype))
+        offset += c
+    return out

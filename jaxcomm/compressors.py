@@ -1,0 +1,223 @@
+"""Compressors: how one bucket is reduced across a mesh axis.
+
+A compressor turns a flat, fp32 (or native-dtype) bucket into a collective chain. It is a frozen
+dataclass, so it is hashable and can be a static argument of ``jax.jit``; its per-bucket error
+feedback is a ``NamedTuple`` of arrays, so it is jit-able, shardable and checkpointable.
+
+Every compressor implements three reductions over an axis of size ``n``:
+
+* ``all_reduce``: ``(N,)`` buffer -> ``(N,)`` sum or mean, identical on every device;
+* ``reduce_scatter``: ``(n, C)`` rank-major buffer -> this device's ``(C,)`` row of the sum/mean;
+* ``all_gather``: this device's ``(C,)`` row -> ``(n, C)``.
+
+Integer and bool leaves never reach a compressor: they are reduced exactly by the caller.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcomm._compat import all_gather_replicated, ensure_varying
+
+# Bit k of a packed byte (most significant first) holds element 8*i + k: DeepSpeed's order.
+_BIT_SHIFTS = np.arange(7, -1, -1, dtype=np.uint8)
+
+
+class Compressor(abc.ABC):
+    """Interface of a bucket compressor. Subclasses are frozen dataclasses."""
+
+    #: True when reductions are lossy (MAX/MIN are then refused, since they cannot be compressed).
+    lossy: bool = True
+
+    def compute_dtype(self, dtype: np.dtype) -> np.dtype:
+        """Dtype of the buffer a floating leaf of ``dtype`` is reduced in."""
+        return np.dtype(np.float32)
+
+    def init_all_reduce_state(self, numel: int, axis_size: int) -> Any:
+        """Error-feedback state of one all-reduce bucket of ``numel`` elements (``()`` if none)."""
+        return ()
+
+    def init_reduce_scatter_state(self, row_numel: int, axis_size: int) -> Any:
+        """Error-feedback state of one reduce-scatter bucket with rows of ``row_numel``."""
+        return ()
+
+    @abc.abstractmethod
+    def all_reduce(
+        self, flat: jax.Array, state: Any, *, axis_name: str, axis_size: int, mean: bool
+    ) -> tuple[jax.Array, Any]:
+        """Sum (or mean) of ``flat`` over the axis; returns it and the new bucket state."""
+
+    @abc.abstractmethod
+    def reduce_scatter(
+        self, rows: jax.Array, state: Any, *, axis_name: str, axis_size: int, mean: bool
+    ) -> tuple[jax.Array, Any]:
+        """Row ``axis_index`` of the sum (or mean) of ``rows`` over the axis, and the new state."""
+
+    def all_gather(self, row: jax.Array, *, axis_name: str, axis_size: int) -> jax.Array:
+        """Every device's row, stacked ``(n, C)``. Exact unless a compressor overrides it."""
+        return all_gather_replicated(row, axis_name)
+
+
+@dataclass(frozen=True)
+class NoCompression(Compressor):
+    """Exact collectives in each leaf's own dtype, still fused into one collective per bucket.
+
+    Equivalent to ``lax.psum`` / ``lax.pmean`` / ``lax.psum_scatter`` on every leaf, but a tree of
+    300 small leaves costs one collective instead of 300 (DeepSpeed's coalesced operations).
+    """
+
+    lossy = False
+
+    def compute_dtype(self, dtype: np.dtype) -> np.dtype:
+        return np.dtype(dtype)
+
+    def all_reduce(self, flat, state, *, axis_name, axis_size, mean):
+        out = lax.psum(flat, axis_name)
+        return (out / axis_size if mean else out), state
+
+    def reduce_scatter(self, rows, state, *, axis_name, axis_size, mean):
+        row = lax.psum_scatter(ensure_varying(rows, axis_name), axis_name, scatter_dimension=0)
+        return (row / axis_size if mean else row), state
+
+
+class OneBitState(NamedTuple):
+    """1-bit error feedback of one all-reduce bucket (fp32, private to its device).
+
+    Attributes:
+      worker_error: ``(Np,)`` residual of this device's compression of its input.
+      server_error: ``(Np/n,)`` residual of this device's compression of its reduced chunk.
+    """
+
+    worker_error: jax.Array
+    server_error: jax.Array
+
+
+class OneBitScatterState(NamedTuple):
+    """1-bit error feedback of one reduce-scatter bucket: the worker residual ``(n * C8,)``."""
+
+    worker_error: jax.Array
+
+
+def pack_signs(values: jax.Array) -> jax.Array:
+    """Pack ``values >= 0`` 8 per byte, most significant bit first. ``len(values) % 8 == 0``."""
+    bits = (values >= 0).astype(jnp.uint8).reshape(-1, 8)
+    return jnp.sum(bits << _BIT_SHIFTS, axis=-1, dtype=jnp.uint8)
+
+
+def unpack_signs(packed: jax.Array) -> jax.Array:
+    """Inverse of :func:`pack_signs` as ``+1.0 / -1.0`` floats; the last axis grows 8x."""
+    bits = (packed[..., None] >> _BIT_SHIFTS) & 1
+    signs = bits.astype(jnp.float32) * 2.0 - 1.0
+    return signs.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+
+
+def _sign(values: jax.Array) -> jax.Array:
+    # sgn(0) = +1, as DeepSpeed's packing does: the reconstruction must use the packed bit.
+    return jnp.where(values >= 0, 1.0, -1.0).astype(values.dtype)
+
+
+def _scaled_sign_compress(buf: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``scale = ||buf|| / sqrt(len)``; returns packed signs, scale and ``buf - scale * sgn(buf)``."""
+    scale = jnp.sqrt(jnp.sum(jnp.square(buf))) / math.sqrt(buf.shape[0])
+    return pack_signs(buf), scale, buf - scale * _sign(buf)
+
+
+def _weighted_sign_sum(packed: jax.Array, weights: jax.Array) -> jax.Array:
+    """``sum_j weights[j] * unpack(packed[j])`` for packed ``(n, M)`` -> ``(8M,)`` fp32.
+
+    For small ``n`` this unrolls into one elementwise fusion that reads each packed row once and
+    never materializes ``n`` unpacked float rows (the naive broadcast is ~4x slower on CPU).
+    """
+    n = packed.shape[0]
+    if n <= 16:
+        total = weights[0] * unpack_signs(packed[0])
+        for j in range(1, n):
+            total = total + weights[j] * unpack_signs(packed[j])
+        return total
+    return jnp.einsum("j,jm->m", weights, unpack_signs(packed))
+
+
+@dataclass(frozen=True)
+class OneBit(Compressor):
+    """DeepSpeed's 1-bit compressed all-reduce with two-stage error feedback.
+
+    For a bucket ``x`` of length ``N`` zero-padded to ``Np`` (a multiple of ``8n``), on device
+    ``r`` of ``n`` (Tang et al., *1-bit Adam*, 2021; DeepSpeed ``runtime/comm/nccl.py``):
+
+    1. ``buf = x + e_w``; ``s_w = ||buf||_2 / sqrt(Np)``; ``e_w <- buf - s_w * sgn(buf)``
+       with ``sgn(v) = +1 if v >= 0 else -1``.
+    2. Signs are packed 8 per byte; chunk ``j`` (``Np/n`` elements) goes to device ``j``
+       (all_to_all) and the scales are all-gathered.
+    3. ``c = sum_j (s_w[j] / n) * sgn_j[chunk r] + e_s``; ``s_s = ||c|| / sqrt(Np/n)``;
+       ``e_s <- c - s_s * sgn(c)``.
+    4. Server signs and scales are all-gathered; the mean is ``concat_r s_s[r] * sgn(c_r)``
+       cut to ``N`` (the sum is ``n`` times it).
+
+    Only packed ``uint8`` signs and ``n`` fp32 scales per stage cross the wire: about
+    ``2 (n-1)/n * Np/8`` bytes per device against ``2 (n-1)/n * 4N`` for an fp32 ring all-reduce
+    (32x less). Invariant at both stages: ``input + e_old == reconstruction + e_new``.
+
+    Reduce-scatter uses stages 1-2 only (device ``r`` keeps the decompressed mean of its
+    chunk, so there is no server residual). All-gather is exact: 1-bit weights would destroy
+    them, and weights carry no error feedback.
+    """
+
+    def init_all_reduce_state(self, numel: int, axis_size: int) -> OneBitState:
+        padded = _padded_length(numel, axis_size)
+        return OneBitState(
+            worker_error=jnp.zeros((padded,), jnp.float32),
+            server_error=jnp.zeros((padded // axis_size,), jnp.float32),
+        )
+
+    def init_reduce_scatter_state(self, row_numel: int, axis_size: int) -> OneBitScatterState:
+        return OneBitScatterState(
+            worker_error=jnp.zeros((axis_size * _round_up(row_numel, 8),), jnp.float32)
+        )
+
+    def _exchange(self, buf, worker_error, axis_name, axis_size):
+        """Stages 1-2: compress ``buf + e_w``, all_to_all the signs; returns this chunk's mean."""
+        packed, scale, worker_error = _scaled_sign_compress(buf + worker_error)
+        packed = ensure_varying(packed.reshape(axis_size, -1), axis_name)
+        received = lax.all_to_all(packed, axis_name, 0, 0, tiled=True)
+        scales = lax.all_gather(ensure_varying(scale, axis_name), axis_name)
+        return _weighted_sign_sum(received, scales / axis_size), worker_error
+
+    def all_reduce(self, flat, state: OneBitState, *, axis_name, axis_size, mean):
+        numel = flat.shape[0]
+        padded = state.worker_error.shape[0]
+        buf = jnp.pad(flat, (0, padded - numel))
+        compensated, worker_error = self._exchange(buf, state.worker_error, axis_name, axis_size)
+        packed, scale, server_error = _scaled_sign_compress(compensated + state.server_error)
+        signs = all_gather_replicated(packed, axis_name)
+        scales = all_gather_replicated(scale, axis_name)
+        out = (unpack_signs(signs) * scales[:, None]).reshape(-1)[:numel]
+        if not mean:
+            out = out * axis_size
+        return out, OneBitState(worker_error, server_error)
+
+    def reduce_scatter(self, rows, state: OneBitScatterState, *, axis_name, axis_size, mean):
+        row_numel = rows.shape[1]
+        padded_row = state.worker_error.shape[0] // axis_size
+        buf = jnp.pad(rows, ((0, 0), (0, padded_row - row_numel))).reshape(-1)
+        row, worker_error = self._exchange(buf, state.worker_error, axis_name, axis_size)
+        row = row[:row_numel]
+        if not mean:
+            row = row * axis_size
+        return row, OneBitScatterState(worker_error)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _padded_length(numel: int, axis_size: int) -> int:
+    """DeepSpeed pads the flat buffer to a multiple of ``8 n``: whole bytes in every chunk."""
+    return _round_up(numel, 8 * axis_size)

@@ -413,17 +413,18 @@ def init_distributed(
         current = jax.config.jax_cpu_collectives_implementation
         name = "nccl" if backend == "nccl" or _gpu_expected() else str(current)
         return _current_info(name)
-    if _backends_initialized():
-        raise RuntimeError(
-            "init_distributed() must run before any JAX computation, jax.devices() or "
-            "device_put: the JAX backends are already initialized."
-        )
-
+    if backend == "mpi":
+        _check_mpi()
     resolved = resolve_distributed_env(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
         process_id=process_id,
     )
+    if _backends_initialized():
+        raise RuntimeError(
+            "init_distributed() must run before any JAX computation, jax.devices() or "
+            "device_put: the JAX backends are already initialized."
+        )
     name = _select_backend(backend)
 
     if (

@@ -22,7 +22,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
 import shlex
@@ -48,7 +47,6 @@ __all__ = [
 ]
 
 _LOCALHOST = "127.0.0.1"
-_PR_SET_PDEATHSIG = 1
 
 # Environment that would make children pick another coordinator than the one we assign.
 _STRIP_ENV = ("JAXCOMM_COORDINATOR", "JAX_COORDINATOR_ADDRESS", "OMPI_COMM_WORLD_RANK")
@@ -115,13 +113,26 @@ def find_free_port(host: str = _LOCALHOST) -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    # Ranks must not outlive a launcher that is itself killed (e.g. a pytest timeout).
+@functools.cache
+def _pdeathsig_prefix() -> tuple[str, ...]:
+    """``setpriv --pdeathsig KILL --`` where available, else nothing.
+
+    Ranks must not outlive a launcher that is itself killed (e.g. by a CI timeout). Setting the
+    parent-death signal through ``setpriv`` instead of a ``preexec_fn`` keeps the fork free of
+    Python code, which matters because the launcher often runs in a multithreaded JAX process.
+    """
+    if not sys.platform.startswith("linux") or shutil.which("setpriv") is None:
+        return ()
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+        ok = (
+            subprocess.run(
+                ["setpriv", "--pdeathsig", "KILL", "--", "true"], capture_output=True, timeout=10
+            ).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return ("setpriv", "--pdeathsig", "KILL", "--") if ok else ()
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
@@ -252,13 +263,12 @@ def shaped_network(
     tc_setup = _tc_script(rate, delay, burst)
     script = f"hostname localhost && {tc_setup} && echo ready && exec sleep infinity"
     holder = subprocess.Popen(
-        ["unshare", "-n", "-u", "sh", "-c", script],
+        [*_pdeathsig_prefix(), "unshare", "-n", "-u", "sh", "-c", script],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
     )
     try:
         ready: list[str] = []
@@ -346,7 +356,8 @@ def launch_local(
     ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (so :func:`jaxcomm.distributed.init_distributed`
     needs no arguments), ``PYTHONUNBUFFERED=1``, and its own process group. When a rank exits
     non-zero, or ``timeout`` passes, all other ranks' groups get SIGTERM, then SIGKILL after
-    ``kill_grace`` seconds. Ranks also get SIGKILL if the launching thread dies.
+    ``kill_grace`` seconds. Where ``setpriv`` exists, ranks also get SIGKILL if the launching
+    thread dies.
 
     With ``netns_rate`` or ``netns_delay``, all ranks run inside one private network namespace
     (see :func:`shaped_network`) where only the shaped loopback exists.
@@ -413,11 +424,10 @@ def _run_ranks(
     failed_rank: int | None = None
     timed_out = False
     try:
-        # Start every rank before any reader thread: preexec_fn is only safe without threads.
         for rank in range(n):
             procs.append(
                 subprocess.Popen(
-                    argv,
+                    [*_pdeathsig_prefix(), *argv],
                     env=_rank_env(base_env, rank, n, port),
                     cwd=cwd,
                     stdin=subprocess.DEVNULL,
@@ -426,7 +436,6 @@ def _run_ranks(
                     text=True,
                     errors="replace",
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
                 )
             )
         readers = [

@@ -91,7 +91,9 @@ def plan_buckets(
     never split, so one leaf's reduction never waits on another bucket).
     """
     if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
-        raise ValueError(f"jaxcomm: bucket_bytes must be a positive int or None, got {bucket_bytes!r}")
+        raise ValueError(
+            f"jaxcomm: bucket_bytes must be a positive int or None, got {bucket_bytes!r}"
+        )
     check_leaves(leaves)
     groups: dict[tuple[np.dtype, bool], list[int]] = {}
     for i, leaf in enumerate(leaves):
@@ -182,7 +184,8 @@ def join_shards(shards: Sequence[jax.Array], bucket: Bucket, n: int) -> jax.Arra
     for k, (s, c) in enumerate(zip(shards, expected, strict=True)):
         if s.shape != (c,):
             raise ValueError(
-                f"jaxcomm: shard {k} of a bucket has shape {s.shape}, expected ({c},) for a leaf of "
+                f"jaxcomm: shard {k} of a bucket has shape {s.shape}, expected ({c},) for a leaf "
+                f"of "
                 f"shape {bucket.shapes[k]} over {n} devices"
             )
     parts = [s.astype(bucket.dtype) for s in shards]

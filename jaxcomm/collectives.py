@@ -33,7 +33,7 @@ StateOp = Literal["all_reduce", "reduce_scatter"]
 
 
 class ReduceState(NamedTuple):
-    """Error feedback of :func:`compressed_psum` / :func:`compressed_pmean`, one entry per bucket."""
+    """Error feedback of :func:`compressed_psum` / :func:`compressed_pmean`, one per bucket."""
 
     buckets: tuple
 
@@ -50,7 +50,8 @@ _STATE_TYPES = {"all_reduce": ReduceState, "reduce_scatter": ScatterState}
 def _plan(tree: PyTree, compressor: Compressor, bucket_bytes: int | None):
     if not isinstance(compressor, Compressor):
         raise TypeError(
-            f"jaxcomm: compressor must be a jaxcomm Compressor (e.g. jc.OneBit()), got {compressor!r}"
+            f"jaxcomm: compressor must be a jaxcomm Compressor (e.g. jc.OneBit()), "
+            f"got {compressor!r}"
         )
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return leaves, treedef, bucketing.plan_buckets(leaves, bucket_bytes, compressor.compute_dtype)
@@ -168,7 +169,9 @@ def _all_reduce(tree, state, *, axis_name, compressor, bucket_bytes, mean):
                 flat, bucket_state, axis_name=axis_name, axis_size=axis_size, mean=mean
             )
             dtypes = None
-        for i, leaf in zip(bucket.leaf_ids, bucketing.unflatten_bucket(reduced, bucket, dtypes)):
+        for i, leaf in zip(
+            bucket.leaf_ids, bucketing.unflatten_bucket(reduced, bucket, dtypes), strict=True
+        ):
             out[i] = leaf
         new_states.append(bucket_state)
     return jax.tree_util.tree_unflatten(treedef, out), _restate(state, new_states)
@@ -204,7 +207,11 @@ def compressed_psum(
       ``(summed tree, new state)``.
     """
     return _all_reduce(
-        tree, state, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes,
+        tree,
+        state,
+        axis_name=axis_name,
+        compressor=compressor,
+        bucket_bytes=bucket_bytes,
         mean=False,
     )
 
@@ -222,7 +229,11 @@ def compressed_pmean(
     Integer and bool leaves give a floating mean, exactly as ``lax.pmean``.
     """
     return _all_reduce(
-        tree, state, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes,
+        tree,
+        state,
+        axis_name=axis_name,
+        compressor=compressor,
+        bucket_bytes=bucket_bytes,
         mean=True,
     )
 
@@ -277,7 +288,11 @@ def compressed_psum_scatter(
     :func:`compressed_all_gather` (``like=tree``).
     """
     return _reduce_scatter(
-        tree, state, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes,
+        tree,
+        state,
+        axis_name=axis_name,
+        compressor=compressor,
+        bucket_bytes=bucket_bytes,
         mean=False,
     )
 
@@ -290,9 +305,13 @@ def compressed_pmean_scatter(
     compressor: Compressor,
     bucket_bytes: int | None = None,
 ) -> tuple[PyTree, ScatterState | None]:
-    """Like :func:`compressed_psum_scatter` but the mean, as DeepSpeed's coalesced reduce-scatter."""
+    """Like :func:`compressed_psum_scatter` but the mean (DeepSpeed's coalesced reduce-scatter)."""
     return _reduce_scatter(
-        tree, state, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes,
+        tree,
+        state,
+        axis_name=axis_name,
+        compressor=compressor,
+        bucket_bytes=bucket_bytes,
         mean=True,
     )
 
@@ -331,7 +350,9 @@ def compressed_all_gather(
             rows = compressor.all_gather(
                 ensure_varying(row, axis_name), axis_name=axis_name, axis_size=axis_size
             )
-        for i, leaf in zip(bucket.leaf_ids, bucketing.unflatten_rank_major(rows, bucket, axis_size)):
+        for i, leaf in zip(
+            bucket.leaf_ids, bucketing.unflatten_rank_major(rows, bucket, axis_size), strict=True
+        ):
             out[i] = leaf
     return jax.tree_util.tree_unflatten(treedef, out), state
 

@@ -125,7 +125,7 @@ def _sign(values: jax.Array) -> jax.Array:
 
 
 def _scaled_sign_compress(buf: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``scale = ||buf|| / sqrt(len)``; returns packed signs, scale and ``buf - scale * sgn(buf)``."""
+    """``s = ||buf|| / sqrt(len)``; returns packed signs, ``s`` and ``buf - s * sgn(buf)``."""
     scale = jnp.sqrt(jnp.sum(jnp.square(buf))) / math.sqrt(buf.shape[0])
     return pack_signs(buf), scale, buf - scale * _sign(buf)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# fmt: off
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -40,6 +41,7 @@ COLLECTIVE_OPS = (
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
     "collective-broadcast", "ragged-all-to-all",
 )
+# fmt: on
 
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"

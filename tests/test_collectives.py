@@ -1,4 +1,4 @@
-"""compressed_psum / pmean / psum_scatter / all_gather against exact collectives and NumPy models."""
+"""compressed_psum/pmean/psum_scatter/all_gather against exact collectives and NumPy models."""
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +118,7 @@ def test_onebit_matches_numpy_model_over_steps(mesh, numel):
     trees = [per_device_trees(10 + k, {"g": (numel,)}) for k in range(6)]
     outs, _ = onebit_steps(mesh, trees)
     model = OneBitAllReduceModel(N, numel)
-    for tree, out in zip(trees, outs):
+    for tree, out in zip(trees, outs, strict=True):
         expected = model.step(tree["g"])
         np.testing.assert_allclose(out["g"], expected, rtol=2e-5, atol=2e-6)
 
@@ -130,7 +130,7 @@ def test_onebit_multi_leaf_tree_and_psum(mesh):
     # Tree order of a dict is sorted keys: a, b, c concatenated.
     sizes = {"a": 21, "b": 11, "c": 1}
     model = OneBitAllReduceModel(N, sum(sizes.values()))
-    for tree, out in zip(trees, outs):
+    for tree, out in zip(trees, outs, strict=True):
         flat = np.concatenate([tree[k].reshape(N, -1) for k in "abc"], axis=1)
         expected = N * model.step(flat)
         got = np.concatenate([np.asarray(out[k]).reshape(-1) for k in "abc"])
@@ -145,7 +145,7 @@ def test_onebit_error_feedback_invariant_both_stages(mesh):
     outs, states = onebit_steps(mesh, trees)
     padded = -(-numel // (8 * N)) * 8 * N
     chunk = padded // N
-    for k, (tree, out) in enumerate(zip(trees, outs)):
+    for k, (tree, out) in enumerate(zip(trees, outs, strict=True)):
         (old,), (new,) = states[k].buckets, states[k + 1].buckets
         e_w_old = np.asarray(old.worker_error).reshape(N, padded)
         e_w_new = np.asarray(new.worker_error).reshape(N, padded)
@@ -174,7 +174,7 @@ def test_onebit_buckets_match_per_bucket_models(mesh):
     outs, states = onebit_steps(mesh, trees, bucket_bytes=200)
     assert len(states[0].buckets) == 2
     models = [OneBitAllReduceModel(N, 40), OneBitAllReduceModel(N, 41)]
-    for tree, out in zip(trees, outs):
+    for tree, out in zip(trees, outs, strict=True):
         np.testing.assert_allclose(out["a"], models[0].step(tree["a"]), rtol=2e-5, atol=2e-6)
         bc = models[1].step(np.concatenate([tree["b"], tree["c"]], axis=1))
         np.testing.assert_allclose(out["b"], bc[:24], rtol=2e-5, atol=2e-6)
@@ -243,7 +243,7 @@ def test_no_compression_psum_scatter_layout_and_round_trip(mesh, bucket_bytes):
     (shards, full), _ = run_stacked(fn, mesh, tree, state, out_spec=(P("dp"), P()))
     keys = sorted(shapes)
     refs = deepspeed_scatter_reference([tree[k] for k in keys], N, mean=False)
-    for key, ref in zip(keys, refs):
+    for key, ref in zip(keys, refs, strict=True):
         c = ref.shape[1]
         np.testing.assert_allclose(np.asarray(shards[key]).reshape(N, c), ref, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(full[key], tree[key].mean(0), rtol=1e-5, atol=1e-6)
@@ -304,9 +304,7 @@ def test_onebit_psum_scatter_matches_model_and_gathers_exactly(mesh):
             flat[:, : tree[key][0].size] = tree[key].reshape(N, -1)
             rows.append(flat.reshape(N, N, c[key]))
         expected = N * model.step(np.concatenate(rows, axis=2))  # psum = n * mean
-        got = np.concatenate(
-            [np.asarray(shards[k]).reshape(N, c[k]) for k in ("a", "b")], axis=1
-        )
+        got = np.concatenate([np.asarray(shards[k]).reshape(N, c[k]) for k in ("a", "b")], axis=1)
         np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
         # The gather is exact: it reassembles the shards.
         np.testing.assert_allclose(
@@ -323,7 +321,7 @@ def test_pmap_matches_shard_map(mesh):
         lambda t, s: jc.compressed_pmean(t, s, axis_name="i", compressor=comp), axis_name="i"
     )
     outs, _ = onebit_steps(mesh, trees)
-    for tree, expected in zip(trees, outs):
+    for tree, expected in zip(trees, outs, strict=True):
         out, pstate = step(tree, pstate)
         np.testing.assert_allclose(out["g"][3], expected["g"], rtol=1e-6, atol=1e-7)
 

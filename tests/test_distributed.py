@@ -18,8 +18,8 @@ import jax
 import numpy as np
 import pytest
 from multiprocess_worker import local_tree
-from onebit_numpy_model import init_state as np_init_state
-from onebit_numpy_model import onebit_allreduce_mean
+from onebit_reference import init_state as np_init_state
+from onebit_reference import onebit_allreduce_mean
 
 from jaxcomm.distributed import DistributedEnv, init_distributed, resolve_distributed_env
 from jaxcomm.launch import LaunchError, launch_local
@@ -190,7 +190,13 @@ def two_process_results(tmp_path_factory):
         WORLD,
         [sys.executable, str(HERE / "multiprocess_worker.py"), str(out), str(STEPS)],
         env={
+            # One CPU device per process, whatever the test session simulates for itself.
             "JAX_NUM_CPU_DEVICES": "1",
+            "XLA_FLAGS": " ".join(
+                f
+                for f in os.environ.get("XLA_FLAGS", "").split()
+                if not f.startswith("--xla_force_host_platform_device_count")
+            ),
             "JAX_PLATFORMS": "cpu",
             "PYTHONPATH": os.pathsep.join(
                 p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p

@@ -1,5 +1,6 @@
 """jaxcomm: compressed, coalesced collectives for distributed training in JAX."""
 
+from jaxcomm.backend import CommBackend, CommConfig, ReduceOp
 from jaxcomm.collectives import (
     ReduceState,
     ScatterState,
@@ -18,15 +19,20 @@ from jaxcomm.compressors import (
     OneBitScatterState,
     OneBitState,
 )
+from jaxcomm.distributed import DistributedInfo, init_distributed
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommBackend",
+    "CommConfig",
+    "ReduceOp",
     "Compressor",
     "NoCompression",
     "OneBit",
     "OneBitScatterState",
     "OneBitState",
+    "DistributedInfo",
     "ReduceState",
     "ScatterState",
     "compressed_all_gather",
@@ -34,6 +40,7 @@ __all__ = [
     "compressed_pmean_scatter",
     "compressed_psum",
     "compressed_psum_scatter",
+    "init_distributed",
     "init_state",
     "shard_shapes",
 ]

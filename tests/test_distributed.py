@@ -22,7 +22,7 @@ from onebit_reference import init_state as np_init_state
 from onebit_reference import onebit_allreduce_mean
 
 from jaxcomm.distributed import DistributedEnv, init_distributed, resolve_distributed_env
-from jaxcomm.launch import LaunchError, launch_local
+from jaxcomm.launch import LaunchError, launch_local, network_shaping_problem
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -312,3 +312,20 @@ def test_launcher_env_and_timeout():
     result = launch_local(2, [sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
     assert result.timed_out and not result.ok and result.failed_rank is None
     assert result.elapsed < 10
+
+
+_NETNS_PROBLEM = network_shaping_problem("100mbit")
+
+
+@pytest.mark.skipif(_NETNS_PROBLEM is not None, reason=str(_NETNS_PROBLEM))
+def test_launcher_shaped_namespace_is_shared_and_private():
+    code = (
+        "import os, socket\n"
+        "print(os.readlink('/proc/self/ns/net'), socket.gethostname(),"
+        " sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]))\n"
+    )
+    result = launch_local(2, [sys.executable, "-c", code], netns_rate="100mbit", timeout=30)
+    result.check()
+    (ns0, host0, devs0), (ns1, host1, devs1) = (o.split(" ", 2) for o in result.outputs)
+    assert ns0 == ns1 != os.readlink("/proc/self/ns/net")  # one namespace, not ours
+    assert host0 == host1 == "localhost" and devs0 == devs1 == "['lo']"

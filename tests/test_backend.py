@@ -13,8 +13,9 @@ import jaxcomm as jc
 N = NUM_DEVICES
 
 
-def shard_run(mesh, fn, stacked, out_spec=P()):
+def shard_run(mesh, fn, stacked, out_spec=None):
     body = lambda t: fn(jax.tree.map(lambda x: x[0], t))  # noqa: E731
+    out_spec = P() if out_spec is None else out_spec
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=out_spec))(stacked)
 
 

@@ -37,6 +37,8 @@ def main(out_dir: str, steps: int) -> None:
 
     info = init_distributed("gloo", initialization_timeout=60)
     rank, n = info.process_id, info.num_processes
+    assert info.backend == "gloo" and n == int(os.environ["WORLD_SIZE"]), info
+    assert init_distributed() == info  # already initialized: same info, no second init
     assert jax.process_index() == rank and len(jax.devices()) == n, jax.devices()
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("dp",))

@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv test lint demo bench clean
+.PHONY: venv run test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,8 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check jaxcomm tests benchmarks examples
 
-demo: venv
-	$(VENV)/bin/jaxcomm demo
+run: venv
+	$(VENV)/bin/jaxcomm bench
 
 bench: venv
 	$(PY) benchmarks/onebit_1gbit.py

@@ -17,7 +17,7 @@ test: venv
 	$(PY) -m pytest tests
 
 lint: venv
-	$(VENV)/bin/ruff check jaxcomm tests benchmarks examples
+	$(VENV)/bin/ruff check jaxcomm tests benchmarks
 
 run: venv
 	$(VENV)/bin/jaxcomm bench

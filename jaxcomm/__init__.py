@@ -18,6 +18,9 @@ from jaxcomm.compressors import (
     OneBit,
     OneBitScatterState,
     OneBitState,
+    Quantize,
+    QuantizeScatterState,
+    QuantizeState,
 )
 from jaxcomm.distributed import DistributedInfo, init_distributed
 
@@ -32,6 +35,9 @@ __all__ = [
     "OneBit",
     "OneBitScatterState",
     "OneBitState",
+    "Quantize",
+    "QuantizeScatterState",
+    "QuantizeState",
     "DistributedInfo",
     "ReduceState",
     "ScatterState",

@@ -221,3 +221,217 @@ def _round_up(value: int, multiple: int) -> int:
 def _padded_length(numel: int, axis_size: int) -> int:
     """DeepSpeed pads the flat buffer to a multiple of ``8 n``: whole bytes in every chunk."""
     return _round_up(numel, 8 * axis_size)
+
+
+# --------------------------------------------------------------------------------------------
+# Blockwise int8 / int4 quantization (ZeRO++ qgZ / qwZ).
+# --------------------------------------------------------------------------------------------
+
+
+class QuantizeState(NamedTuple):
+    """Error feedback of one :class:`Quantize` all-reduce bucket (fp32, private to its device).
+
+    Attributes:
+      worker_error: ``(n * c,)`` residual of this device's quantization of its padded input.
+      server_error: ``(c,)`` residual of this device's requantization of its reduced chunk.
+    """
+
+    worker_error: jax.Array
+    server_error: jax.Array
+
+
+class QuantizeScatterState(NamedTuple):
+    """Error feedback of one :class:`Quantize` reduce-scatter bucket: the ``(n * c,)`` residual."""
+
+    worker_error: jax.Array
+
+
+def block_layout(chunk_numel: int, block_size: int, bits: int) -> tuple[int, int]:
+    """``(B, L)``: a chunk of ``chunk_numel`` elements is cut into ``B`` blocks of length ``L``.
+
+    ``B = ceil(chunk_numel / block_size)`` (at least 1) and ``L = ceil(chunk_numel / B)``, rounded
+    up to even for int4 (two values per byte), so a chunk is padded by less than ``B + 1``
+    elements instead of up to a whole block: small buckets stay small on the wire.
+    """
+    blocks = max(1, -(-chunk_numel // block_size))
+    length = max(1, -(-chunk_numel // blocks))
+    if bits == 4:
+        length = _round_up(length, 2)
+    return blocks, length
+
+
+def quantize_blocks(values: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+    """Symmetric absmax quantization of the last axis (one block per row).
+
+    ``scale = 2^b / (2 absmax)`` (1 when ``absmax == 0``),
+    ``q = clamp(round_half_even(x * scale), -2^(b-1), 2^(b-1) - 1)``; returns ``q`` (int8) and
+    the stored value ``1 / scale`` (fp32, one per block); ``x ~ q / scale``.
+    """
+    absmax = jnp.max(jnp.abs(values), axis=-1)
+    scale = jnp.where(absmax == 0, 1.0, (2.0**bits) / (2.0 * absmax)).astype(jnp.float32)
+    half = 2 ** (bits - 1)
+    # jnp.round rounds half to even, as ZeRO++'s quantizer.
+    q = jnp.clip(jnp.round(values * scale[..., None]), -half, half - 1).astype(jnp.int8)
+    return q, 1.0 / scale
+
+
+def pack_int4(q: jax.Array) -> jax.Array:
+    """Two int4 values per byte: element ``2i`` in the low nibble, ``2i+1`` in the high one."""
+    pairs = q.reshape(*q.shape[:-1], q.shape[-1] // 2, 2).astype(jnp.uint8)
+    return (pairs[..., 0] & 0x0F) | (pairs[..., 1] << 4)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """Inverse of :func:`pack_int4` as int8 (sign-extended by arithmetic shifts); last axis 2x."""
+    signed = lax.bitcast_convert_type(packed, jnp.int8)
+    low = (signed << 4) >> 4
+    high = signed >> 4
+    both = jnp.stack([low, high], axis=-1)
+    return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+@dataclass(frozen=True)
+class Quantize(Compressor):
+    """Blockwise symmetric int8/int4 quantization, reduced in fp32 (ZeRO++ qgZ, qwZ).
+
+    Quantizer (Wang et al., *ZeRO++*, 2023): per block of at most ``block_size`` elements,
+    ``scale = 2^b / (2 absmax)`` (1 if the block is all zero),
+    ``q = clamp(round_half_even(x * scale), -2^(b-1), 2^(b-1) - 1)``; the block's ``1 / scale`` is
+    sent along (fp32) and ``deq(q) = q / scale``. int4 values are packed two per byte.
+
+    All-reduce of a bucket of ``N`` elements on device ``r`` of ``n`` (the pattern of ZeRO++'s
+    qgZ, torchft and ByteGrad: integers are never summed on the wire):
+
+    1. Pad to ``n * c`` (``c = B * L``, see :func:`block_layout`); ``buf = x + e_w``;
+       quantize every block; ``e_w <- buf - deq(q(buf))``.
+    2. all_to_all: device ``r`` receives chunk ``r`` of every device (codes and scales).
+    3. ``m = (1/n) sum_j deq(q_j) + e_s`` in fp32; requantize ``m``; ``e_s <- m - deq(q(m))``.
+    4. all_gather of the requantized chunks and scales; the mean is their dequantization cut to
+       ``N`` (the sum is ``n`` times it).
+
+    Bytes per device: ``2 (n-1)/n * (n c * b/8 + 4 n B)`` against ``2 (n-1)/n * 4 N`` for the fp32
+    ring all-reduce: ``32 / (b + 32 / L)``, i.e. 3.98x (int8) and 7.94x (int4) for ``L = 2048``.
+
+    With ``error_feedback=True`` both residuals are kept, as LoCo does (Xie et al., 2024; with
+    LoCo's averaging coefficient ``beta = 0``): the invariant ``input + e_old == deq + e_new``
+    holds at both stages. Otherwise the state is empty and each call is unbiased only in the sense
+    of round-to-nearest.
+
+    Reduce-scatter runs stages 1-3 without requantizing (the device keeps its fp32 chunk; only a
+    worker residual). All-gather is qwZ: each device quantizes its row blockwise, codes and
+    scales are all-gathered and dequantized (no error feedback: weights are not accumulated).
+
+    Attributes:
+      bits: 8 or 4.
+      block_size: the most elements per block sharing one scale (ZeRO++ uses 2k-8k).
+      error_feedback: keep worker and server residuals.
+    """
+
+    bits: int = 8
+    block_size: int = 2048
+    error_feedback: bool = False
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"jaxcomm: Quantize bits must be 8 or 4, got {self.bits!r}")
+        if not isinstance(self.block_size, int | np.integer) or self.block_size < 2:
+            raise ValueError(
+                f"jaxcomm: Quantize block_size must be an int >= 2, got {self.block_size!r}"
+            )
+
+    # -- layout ------------------------------------------------------------------------------
+
+    def _layout(self, chunk_numel: int) -> tuple[int, int]:
+        return block_layout(chunk_numel, self.block_size, self.bits)
+
+    def init_all_reduce_state(self, numel: int, axis_size: int) -> QuantizeState | tuple:
+        if not self.error_feedback:
+            return ()
+        blocks, length = self._layout(-(-numel // axis_size))
+        chunk = blocks * length
+        return QuantizeState(
+            worker_error=jnp.zeros((axis_size * chunk,), jnp.float32),
+            server_error=jnp.zeros((chunk,), jnp.float32),
+        )
+
+    def init_reduce_scatter_state(self, row_numel: int, axis_size: int):
+        if not self.error_feedback:
+            return ()
+        blocks, length = self._layout(row_numel)
+        return QuantizeScatterState(jnp.zeros((axis_size * blocks * length,), jnp.float32))
+
+    # -- wire format ---------------------------------------------------------------------------
+
+    def _encode(self, blocks: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(..., B, L)`` fp32 -> wire codes, per-block ``1/scale``, and ``deq(q)``."""
+        q, inv = quantize_blocks(blocks, self.bits)
+        deq = q.astype(jnp.float32) * inv[..., None]
+        codes = pack_int4(q) if self.bits == 4 else q
+        return codes, inv, deq
+
+    def _decode(self, codes: jax.Array, inv: jax.Array) -> jax.Array:
+        q = unpack_int4(codes) if self.bits == 4 else codes
+        return q.astype(jnp.float32) * inv[..., None]
+
+    def _decode_mean(self, codes: jax.Array, inv: jax.Array, axis_size: int) -> jax.Array:
+        """``(1/n) sum_j deq(codes[j])`` for ``(n, B, Lc)`` codes, in one fused pass for small n."""
+        weights = inv / axis_size
+        if axis_size <= 16:  # unrolled: reads each received row once, no (n, B, L) fp32 buffer
+            total = self._decode(codes[0], weights[0])
+            for j in range(1, axis_size):
+                total = total + self._decode(codes[j], weights[j])
+            return total
+        return jnp.sum(self._decode(codes, weights), axis=0)
+
+    def _exchange(self, buf, worker_error, axis_name, axis_size, blocks, length):
+        """Stages 1-2 (and the fp32 reduction of 3): this device's chunk of the mean."""
+        if worker_error is not None:
+            buf = buf + worker_error
+        codes, inv, deq = self._encode(buf.reshape(axis_size, blocks, length))
+        if worker_error is not None:
+            worker_error = buf - deq.reshape(-1)
+        codes = lax.all_to_all(ensure_varying(codes, axis_name), axis_name, 0, 0, tiled=True)
+        inv = lax.all_to_all(ensure_varying(inv, axis_name), axis_name, 0, 0, tiled=True)
+        return self._decode_mean(codes, inv, axis_size), worker_error
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def all_reduce(self, flat, state, *, axis_name, axis_size, mean):
+        numel = flat.shape[0]
+        blocks, length = self._layout(-(-numel // axis_size))
+        buf = jnp.pad(flat, (0, axis_size * blocks * length - numel))
+        ef = self.error_feedback
+        chunk, worker_error = self._exchange(
+            buf, state.worker_error if ef else None, axis_name, axis_size, blocks, length
+        )
+        if ef:
+            chunk = chunk + state.server_error.reshape(blocks, length)
+        codes, inv, deq = self._encode(chunk)
+        new_state = QuantizeState(worker_error, (chunk - deq).reshape(-1)) if ef else state
+        codes = all_gather_replicated(codes, axis_name)
+        inv = all_gather_replicated(inv, axis_name)
+        out = self._decode(codes, inv).reshape(-1)[:numel]
+        return (out if mean else out * axis_size), new_state
+
+    def reduce_scatter(self, rows, state, *, axis_name, axis_size, mean):
+        row_numel = rows.shape[1]
+        blocks, length = self._layout(row_numel)
+        buf = jnp.pad(rows, ((0, 0), (0, blocks * length - row_numel))).reshape(-1)
+        ef = self.error_feedback
+        chunk, worker_error = self._exchange(
+            buf, state.worker_error if ef else None, axis_name, axis_size, blocks, length
+        )
+        row = chunk.reshape(-1)[:row_numel]
+        new_state = QuantizeScatterState(worker_error) if ef else state
+        return (row if mean else row * axis_size), new_state
+
+    def all_gather(self, row, *, axis_name, axis_size):
+        """qwZ: blockwise-quantized rows are gathered and dequantized (lossy, no feedback)."""
+        row_numel = row.shape[0]
+        blocks, length = self._layout(row_numel)
+        buf = jnp.pad(row.astype(jnp.float32), (0, blocks * length - row_numel))
+        codes, inv, _ = self._encode(buf.reshape(blocks, length))
+        codes = all_gather_replicated(ensure_varying(codes, axis_name), axis_name)
+        inv = all_gather_replicated(ensure_varying(inv, axis_name), axis_name)
+        out = self._decode(codes, inv).reshape(axis_size, -1)[:, :row_numel]
+        return out.astype(row.dtype)

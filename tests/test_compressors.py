@@ -1,0 +1,286 @@
+"""The compressor family (Quantize, Cast, TopK, PowerSGD) against NumPy models and HLO."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import quantize_reference as qref
+from conftest import NUM_DEVICES
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm as jc
+from jaxcomm.compressors import pack_int4, quantize_blocks, unpack_int4
+from jaxcomm.hlo import collectives_in_hlo, wire_bytes
+
+N = NUM_DEVICES
+
+
+def stacked(seed: int, shapes: dict, n: int = N, scale: float = 1.0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {k: (scale * rng.normal(size=(n, *s))).astype(np.float32) for k, s in shapes.items()}
+
+
+def local(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def global_state(state, n: int = N):
+    return jax.tree.map(lambda s: jnp.concatenate([s] * n), state)
+
+
+def reduce_steps(mesh, trees, comp, *, mean=True, bucket_bytes=None):
+    """Thread the state through ``len(trees)`` compressed p{mean,sum} calls; outputs, states."""
+    n = mesh.shape["dp"]
+    state = jc.init_state(comp, local(trees[0]), axis_size=n, bucket_bytes=bucket_bytes)
+    collective = jc.compressed_pmean if mean else jc.compressed_psum
+
+    def body(t, s):
+        return collective(local(t), s, axis_name="dp", compressor=comp, bucket_bytes=bucket_bytes)
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=(P(), P("dp")))
+    )
+    gstate, outs, states = global_state(state, n), [], []
+    states.append(gstate)
+    for tree in trees:
+        out, gstate = step(tree, gstate)
+        outs.append(jax.tree.map(np.asarray, out))
+        states.append(gstate)
+    return outs, states
+
+
+def compiled(mesh, local_tree, body, state=()):
+    """Compiled HLO text of ``body(local_tree, state)`` in shard_map over 'dp'."""
+    fn = jax.jit(
+        jax.shard_map(
+            lambda t, s: body(local(t), s),
+            mesh=mesh,
+            in_specs=(P("dp"), P("dp")),
+            out_specs=(P(), P("dp")),
+        )
+    )
+    stacked_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct((N, *x.shape), x.dtype), local_tree)
+    gs = jax.tree.map(lambda s: jax.ShapeDtypeStruct((N * s.shape[0],), s.dtype), state)
+    return fn.lower(stacked_tree, gs).compile().as_text()
+
+
+def pmean_hlo(mesh, local_tree, comp):
+    state = jc.init_state(comp, local_tree, axis_size=N)
+    return compiled(
+        mesh,
+        local_tree,
+        lambda t, s: jc.compressed_pmean(t, s, axis_name="dp", compressor=comp),
+        state,
+    )
+
+
+def exact_pmean_hlo(mesh, local_tree):
+    return compiled(
+        mesh, local_tree, lambda t, s: (jax.tree.map(lambda x: lax.pmean(x, "dp"), t), s)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Quantize
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_blocks_matches_rules(bits):
+    rng = np.random.default_rng(0)
+    blocks = rng.normal(size=(6, 33)).astype(np.float32)
+    blocks[1] = 0.0  # absmax 0: scale 1, codes 0
+    # Exact ties: absmax 4 gives scale 2^b/8, so x = (k + 0.5) * 8/2^b lands on k + 0.5.
+    blocks[2, :8] = (np.arange(8) - 3.5) * 8 / 2**bits
+    blocks[2, 8] = 4.0  # absmax: x * scale = 2^(b-1), clamped to 2^(b-1) - 1
+    blocks[2, 9:] = 0.0
+    q, inv = quantize_blocks(jnp.asarray(blocks), bits)
+    q_ref, inv_ref = qref.quantize(blocks, bits)
+    np.testing.assert_array_equal(np.asarray(q), q_ref)
+    np.testing.assert_array_equal(np.asarray(inv), inv_ref)
+    assert np.asarray(q)[2, 8] == 2 ** (bits - 1) - 1
+    assert np.all(np.asarray(q)[1] == 0) and np.asarray(inv)[1] == 1.0
+    # Half to even: -3.5 -> -4, -2.5 -> -2, ..., 3.5 -> 4 (clamped only at 2^(b-1)).
+    np.testing.assert_array_equal(np.asarray(q)[2, :8], [-4, -2, -2, 0, 0, 2, 2, 4])
+
+
+def test_int4_pack_roundtrip_all_pairs():
+    values = np.array([(a, b) for a in range(-8, 8) for b in range(-8, 8)], np.int8).reshape(-1)
+    packed = pack_int4(jnp.asarray(values))
+    assert packed.dtype == jnp.uint8 and packed.shape == (256,)
+    np.testing.assert_array_equal(np.asarray(unpack_int4(packed)), values)
+    # Element 2i in the low nibble: an independent bit-level check.
+    np.testing.assert_array_equal(
+        np.asarray(packed),
+        (values[0::2].astype(np.uint8) & 15) | (values[1::2].astype(np.uint8) << 4),
+    )
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("numel", [13, 5000])
+def test_quantize_all_reduce_matches_numpy_model(mesh, bits, error_feedback, numel):
+    comp = jc.Quantize(bits=bits, block_size=256, error_feedback=error_feedback)
+    trees = [stacked(100 + k, {"g": (numel,)}) for k in range(4)]
+    outs, _ = reduce_steps(mesh, trees, comp)
+    model = qref.QuantizeAllReduceModel(N, numel, bits, 256, error_feedback)
+    for tree, out in zip(trees, outs, strict=True):
+        np.testing.assert_allclose(out["g"], model.step(tree["g"]), rtol=1e-6, atol=1e-7)
+
+
+def test_quantize_psum_multi_leaf_and_dtypes(mesh):
+    comp = jc.Quantize(bits=8, block_size=64, error_feedback=True)
+    trees = [stacked(200 + k, {"a": (3, 40), "b": (17,), "c": ()}) for k in range(3)]
+    trees = [dict(t, h=t["b"].astype(jnp.bfloat16)) for t in trees]
+    outs, _ = reduce_steps(mesh, trees, comp, mean=False)
+    model = qref.QuantizeAllReduceModel(N, 120 + 17 + 1 + 17, 8, 64, True)
+    for tree, out in zip(trees, outs, strict=True):
+        flat = np.concatenate(
+            [np.asarray(tree[k], np.float32).reshape(N, -1) for k in ("a", "b", "c", "h")], axis=1
+        )
+        expected = N * model.step(flat)
+        got = np.concatenate([np.asarray(out[k], np.float32).reshape(-1) for k in "abc"])
+        np.testing.assert_allclose(got, expected[:138], rtol=1e-5, atol=1e-6)
+        assert out["h"].dtype == jnp.bfloat16 and out["a"].shape == (3, 40)
+        np.testing.assert_allclose(np.asarray(out["h"], np.float32), expected[138:], rtol=1e-2)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_error_feedback_invariant_both_stages(mesh, bits):
+    """Worker: buf == deq(q(buf)) + e_w; server: mean_j(buf_j - e_w_j) + e_s_old == out + e_s."""
+    numel, block = 600, 128
+    comp = jc.Quantize(bits=bits, block_size=block, error_feedback=True)
+    trees = [stacked(300 + k, {"g": (numel,)}) for k in range(3)]
+    outs, states = reduce_steps(mesh, trees, comp)
+    nb, ln = qref.layout(-(-numel // N), block, bits)
+    chunk = nb * ln
+    for k, (tree, out) in enumerate(zip(trees, outs, strict=True)):
+        (old,), (new,) = states[k].buckets, states[k + 1].buckets
+        e_w_old = np.asarray(old.worker_error).reshape(N, N * chunk)
+        e_w_new = np.asarray(new.worker_error).reshape(N, N * chunk)
+        x = np.zeros((N, N * chunk), np.float32)
+        x[:, :numel] = tree["g"]
+        sent = x + e_w_old - e_w_new  # what each worker's codes decode to
+        # Worker stage: with step 1/scale = 2 absmax(buf) / 2^b, `sent` is an integer number of
+        # steps in [-2^(b-1), 2^(b-1) - 1] and the residual is at most half a step (one step
+        # where the top code is clamped).
+        buf = (x + e_w_old).reshape(N, N * nb, ln)
+        step = 2 * np.abs(buf).max(-1, keepdims=True) / 2**bits
+        step = np.where(step == 0, 1, step)
+        levels = sent.reshape(buf.shape) / step
+        np.testing.assert_allclose(levels, np.round(levels), atol=1e-3)
+        top = 2 ** (bits - 1)
+        assert levels.min() >= -top - 1e-3 and levels.max() <= top - 1 + 1e-3
+        resid = np.abs(e_w_new.reshape(buf.shape))
+        assert np.all(resid <= step * (1 + 1e-4)), (resid / step).max()
+        e_s_old = np.asarray(old.server_error).reshape(N, chunk)
+        e_s_new = np.asarray(new.server_error).reshape(N, chunk)
+        out_full = np.zeros(N * chunk, np.float32)
+        out_full[:numel] = out["g"]
+        lhs = (sent.mean(0).reshape(N, chunk) + e_s_old).reshape(-1)[:numel]
+        rhs = (out_full.reshape(N, chunk) + e_s_new).reshape(-1)[:numel]
+        np.testing.assert_allclose(lhs, rhs, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_reduce_scatter_and_all_gather_match_models(mesh, bits):
+    comp = jc.Quantize(bits=bits, block_size=32)
+    tree = stacked(400, {"a": (50,), "b": (7, 3)})
+    like = local(tree)
+
+    def body(t):
+        t = local(t)
+        shards, _ = jc.compressed_pmean_scatter(t, None, axis_name="dp", compressor=comp)
+        full, _ = jc.compressed_all_gather(shards, None, axis_name="dp", compressor=comp, like=t)
+        return shards, full
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=(P("dp"), P("dp"))))
+    shards, full = fn(tree)
+    sizes = {"a": 7, "b": 3}  # ceil(50/8), ceil(21/8)
+    rows = np.concatenate(
+        [
+            np.pad(tree[k].reshape(N, -1), ((0, 0), (0, N * c - like[k].size))).reshape(N, N, c)
+            for k, c in sizes.items()
+        ],
+        axis=2,
+    )  # [device, rank, C]
+    expected = qref.quantize_reduce_scatter_mean(rows, bits, 32)
+    got = np.concatenate([np.asarray(shards[k]).reshape(N, -1) for k in sizes], axis=1)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    # Gather of those shards (identical on every device): qwZ quantization of each row.
+    gathered = qref.quantize_all_gather(expected, bits, 32)
+    start = 0
+    for k, c in sizes.items():
+        want = gathered[:, start : start + c].reshape(-1)[: like[k].size].reshape(like[k].shape)
+        start += c
+        for d in range(N):
+            np.testing.assert_allclose(
+                np.asarray(full[k]).reshape(N, *like[k].shape)[d], want, rtol=1e-6, atol=1e-7
+            )
+
+
+def test_quantize_scatter_error_feedback_invariant(mesh):
+    comp = jc.Quantize(bits=4, block_size=16, error_feedback=True)
+    tree = stacked(410, {"a": (100,)})
+    state = jc.init_state(comp, local(tree), axis_size=N, op="reduce_scatter")
+
+    fn = jax.jit(
+        jax.shard_map(
+            lambda t, s: jc.compressed_pmean_scatter(local(t), s, axis_name="dp", compressor=comp),
+            mesh=mesh,
+            in_specs=(P("dp"), P("dp")),
+            out_specs=(P("dp"), P("dp")),
+        )
+    )
+    out, new = fn(tree, global_state(state))
+    c = 13  # ceil(100/8), one block of 14 (int4: even)
+    e = np.asarray(new.buckets[0].worker_error).reshape(N, N, 14)
+    x = np.zeros((N, N, 14), np.float32)
+    x[:, :, :c] = np.pad(tree["a"], ((0, 0), (0, 4))).reshape(N, N, c)
+    # mean_j (x_j - e_j)[rank r] == out[r]: the reduction itself is exact fp32.
+    got = np.asarray(out["a"]).reshape(N, c)
+    np.testing.assert_allclose((x - e).mean(0)[:, :c], got, atol=1e-6)
+
+
+def test_quantize_pmap_matches_shard_map(mesh):
+    comp = jc.Quantize(bits=8, block_size=64, error_feedback=True)
+    tree = stacked(500, {"g": (300,)})
+    state = jc.init_state(comp, local(tree), axis_size=N)
+    (sm_out,), _ = reduce_steps(mesh, [tree], comp)
+
+    step = jax.pmap(
+        lambda t, s: jc.compressed_pmean(t, s, axis_name="i", compressor=comp), axis_name="i"
+    )
+    out, _ = step(tree, jax.tree.map(lambda s: jnp.stack([s] * N), state))
+    for d in range(N):
+        np.testing.assert_allclose(np.asarray(out["g"][d]), sm_out["g"], rtol=1e-6, atol=1e-7)
+
+
+def test_quantize_nonfinite_input_gives_nonfinite_output(mesh):
+    tree = stacked(600, {"g": (64,)})
+    tree["g"][3, 5] = np.nan
+    tree["g"][1, 40] = np.inf
+    (out,), _ = reduce_steps(mesh, [tree], jc.Quantize(bits=8, block_size=16))
+    assert not np.isfinite(out["g"][5]) and not np.isfinite(out["g"][40])
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"bits": 2}, {"bits": 16}, {"block_size": 1}, {"block_size": 0}, {"block_size": 2.5}]
+)
+def test_quantize_rejects_bad_config(kwargs):
+    with pytest.raises(ValueError, match="Quantize"):
+        jc.Quantize(**kwargs)
+
+
+@pytest.mark.parametrize("bits, floor", [(8, 3.9), (4, 7.5)])
+def test_quantize_hlo_wire_ratio(mesh, bits, floor):
+    tree = {"g": jax.ShapeDtypeStruct((2**18,), jnp.float32)}
+    for ef in (False, True):
+        text = pmean_hlo(mesh, tree, jc.Quantize(bits=bits, error_feedback=ef))
+        ops = collectives_in_hlo(text)
+        assert {o.op for o in ops} <= {"all-to-all", "all-gather"}, [o.line for o in ops]
+        # Codes travel as 8-bit integers, never summed: only s8/u8 codes and f32 scales.
+        assert {d for o in ops for d in o.dtypes} == {"s8" if bits == 8 else "u8", "f32"}
+        ratio = wire_bytes(exact_pmean_hlo(mesh, tree)) / wire_bytes(text)
+        assert ratio >= floor, ratio

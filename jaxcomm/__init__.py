@@ -13,6 +13,7 @@ from jaxcomm.collectives import (
     shard_shapes,
 )
 from jaxcomm.compressors import (
+    Cast,
     Compressor,
     NoCompression,
     OneBit,
@@ -21,6 +22,8 @@ from jaxcomm.compressors import (
     Quantize,
     QuantizeScatterState,
     QuantizeState,
+    TwoStageScatterState,
+    TwoStageState,
 )
 from jaxcomm.distributed import DistributedInfo, init_distributed
 
@@ -38,6 +41,9 @@ __all__ = [
     "Quantize",
     "QuantizeScatterState",
     "QuantizeState",
+    "Cast",
+    "TwoStageScatterState",
+    "TwoStageState",
     "DistributedInfo",
     "ReduceState",
     "ScatterState",

@@ -224,26 +224,154 @@ def _padded_length(numel: int, axis_size: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Blockwise int8 / int4 quantization (ZeRO++ qgZ / qwZ).
+# Compressors reduced in fp32 between an all_to_all and an all_gather (Quantize, Cast).
 # --------------------------------------------------------------------------------------------
 
 
-class QuantizeState(NamedTuple):
-    """Error feedback of one :class:`Quantize` all-reduce bucket (fp32, private to its device).
+class TwoStageState(NamedTuple):
+    """Error feedback of one all-reduce bucket of :class:`Quantize` / :class:`Cast` (fp32).
 
     Attributes:
-      worker_error: ``(n * c,)`` residual of this device's quantization of its padded input.
-      server_error: ``(c,)`` residual of this device's requantization of its reduced chunk.
+      worker_error: ``(n * c,)`` residual of this device's compression of its padded input.
+      server_error: ``(c,)`` residual of this device's recompression of its reduced chunk.
     """
 
     worker_error: jax.Array
     server_error: jax.Array
 
 
-class QuantizeScatterState(NamedTuple):
-    """Error feedback of one :class:`Quantize` reduce-scatter bucket: the ``(n * c,)`` residual."""
+class TwoStageScatterState(NamedTuple):
+    """Error feedback of one reduce-scatter bucket of :class:`Quantize` / :class:`Cast`."""
 
     worker_error: jax.Array
+
+
+#: Names kept for readability at call sites.
+QuantizeState = TwoStageState
+QuantizeScatterState = TwoStageScatterState
+
+
+class _ReduceInFp32(Compressor):
+    """Skeleton of ``compress -> all_to_all -> decompress and reduce in fp32 -> recompress ->
+    all_gather`` (ByteGrad, torchft, ZeRO++ qgZ): compressed values are never summed on the wire.
+
+    A bucket of ``N`` elements is zero-padded to ``n * B * L`` (``n`` chunks of ``B`` blocks of
+    ``L``); subclasses define the block layout and the codec:
+
+    * ``_layout(chunk_numel) -> (B, L)``;
+    * ``_encode(blocks, divisor) -> (wire, reconstruction)``: ``wire`` is a tuple of arrays with
+      the leading dims of ``blocks``; ``reconstruction`` is what the receivers will decode, in the
+      units of ``blocks`` (``divisor`` is ``n`` at the worker stage, for codecs that pre-divide);
+    * ``_decode(wire)``: the ``(..., B, L)`` fp32 values the wire stands for;
+    * ``_reduce_mean(wire, n)``: the mean over the leading (source device) axis of worker wires.
+    """
+
+    error_feedback: bool
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _layout(self, chunk_numel: int) -> tuple[int, int]: ...
+
+    @abc.abstractmethod
+    def _encode(
+        self, blocks: jax.Array, divisor: int
+    ) -> tuple[tuple[jax.Array, ...], jax.Array]: ...
+
+    @abc.abstractmethod
+    def _decode(self, wire: tuple[jax.Array, ...]) -> jax.Array: ...
+
+    @abc.abstractmethod
+    def _reduce_mean(self, wire: tuple[jax.Array, ...], axis_size: int) -> jax.Array: ...
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def init_all_reduce_state(self, numel: int, axis_size: int) -> TwoStageState | tuple:
+        if not self.error_feedback:
+            return ()
+        blocks, length = self._layout(-(-numel // axis_size))
+        chunk = blocks * length
+        return TwoStageState(
+            worker_error=jnp.zeros((axis_size * chunk,), jnp.float32),
+            server_error=jnp.zeros((chunk,), jnp.float32),
+        )
+
+    def init_reduce_scatter_state(self, row_numel: int, axis_size: int):
+        if not self.error_feedback:
+            return ()
+        blocks, length = self._layout(row_numel)
+        return TwoStageScatterState(jnp.zeros((axis_size * blocks * length,), jnp.float32))
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def _exchange(self, buf, worker_error, axis_name, axis_size, blocks, length):
+        """Worker stage, all_to_all and fp32 reduction: this device's chunk of the mean."""
+        if worker_error is not None:
+            buf = buf + worker_error
+        wire, recon = self._encode(buf.reshape(axis_size, blocks, length), axis_size)
+        if worker_error is not None:
+            worker_error = buf - recon.reshape(-1)
+        wire = tuple(
+            lax.all_to_all(ensure_varying(w, axis_name), axis_name, 0, 0, tiled=True) for w in wire
+        )
+        return self._reduce_mean(wire, axis_size), worker_error
+
+    def all_reduce(self, flat, state, *, axis_name, axis_size, mean):
+        numel = flat.shape[0]
+        blocks, length = self._layout(-(-numel // axis_size))
+        buf = jnp.pad(flat, (0, axis_size * blocks * length - numel))
+        ef = self.error_feedback
+        chunk, worker_error = self._exchange(
+            buf, state.worker_error if ef else None, axis_name, axis_size, blocks, length
+        )
+        if ef:
+            chunk = chunk + state.server_error.reshape(blocks, length)
+        wire, recon = self._encode(chunk, 1)
+        new_state = TwoStageState(worker_error, (chunk - recon).reshape(-1)) if ef else state
+        wire = tuple(all_gather_replicated(w, axis_name) for w in wire)
+        out = self._decode(wire).reshape(-1)[:numel]
+        return (out if mean else out * axis_size), new_state
+
+    def reduce_scatter(self, rows, state, *, axis_name, axis_size, mean):
+        row_numel = rows.shape[1]
+        blocks, length = self._layout(row_numel)
+        buf = jnp.pad(rows, ((0, 0), (0, blocks * length - row_numel))).reshape(-1)
+        ef = self.error_feedback
+        chunk, worker_error = self._exchange(
+            buf, state.worker_error if ef else None, axis_name, axis_size, blocks, length
+        )
+        row = chunk.reshape(-1)[:row_numel]
+        new_state = TwoStageScatterState(worker_error) if ef else state
+        return (row if mean else row * axis_size), new_state
+
+    def all_gather(self, row, *, axis_name, axis_size):
+        """Each device's row is compressed, gathered and decompressed (lossy, no feedback)."""
+        row_numel = row.shape[0]
+        blocks, length = self._layout(row_numel)
+        buf = jnp.pad(row.astype(jnp.float32), (0, blocks * length - row_numel))
+        wire, _ = self._encode(buf.reshape(blocks, length), 1)
+        wire = tuple(all_gather_replicated(ensure_varying(w, axis_name), axis_name) for w in wire)
+        out = self._decode(wire).reshape(axis_size, -1)[:, :row_numel]
+        return out.astype(row.dtype)
+
+
+def _unrolled_sum(decode, wire: tuple[jax.Array, ...], axis_size: int) -> jax.Array:
+    """``sum_j decode(wire[j])`` over the leading axis.
+
+    Unrolled for small ``n``: one fused pass reads each received row once and no ``(n, ...)``
+    fp32 buffer is materialized (memory bandwidth is the limit on CPU).
+    """
+    if axis_size <= 16:
+        total = decode(tuple(w[0] for w in wire))
+        for j in range(1, axis_size):
+            total = total + decode(tuple(w[j] for w in wire))
+        return total
+    return jnp.sum(decode(wire), axis=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Blockwise int8 / int4 quantization (ZeRO++ qgZ / qwZ).
+# --------------------------------------------------------------------------------------------
 
 
 def block_layout(chunk_numel: int, block_size: int, bits: int) -> tuple[int, int]:
@@ -291,7 +419,7 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class Quantize(Compressor):
+class Quantize(_ReduceInFp32):
     """Blockwise symmetric int8/int4 quantization, reduced in fp32 (ZeRO++ qgZ, qwZ).
 
     Quantizer (Wang et al., *ZeRO++*, 2023): per block of at most ``block_size`` elements,
@@ -305,17 +433,16 @@ class Quantize(Compressor):
     1. Pad to ``n * c`` (``c = B * L``, see :func:`block_layout`); ``buf = x + e_w``;
        quantize every block; ``e_w <- buf - deq(q(buf))``.
     2. all_to_all: device ``r`` receives chunk ``r`` of every device (codes and scales).
-    3. ``m = (1/n) sum_j deq(q_j) + e_s`` in fp32; requantize ``m``; ``e_s <- m - deq(q(m))``.
+    3. ``m = sum_j q_j * (inv_j / n) + e_s`` in fp32; requantize ``m``; ``e_s <- m - deq(q(m))``.
     4. all_gather of the requantized chunks and scales; the mean is their dequantization cut to
        ``N`` (the sum is ``n`` times it).
 
     Bytes per device: ``2 (n-1)/n * (n c * b/8 + 4 n B)`` against ``2 (n-1)/n * 4 N`` for the fp32
-    ring all-reduce: ``32 / (b + 32 / L)``, i.e. 3.98x (int8) and 7.94x (int4) for ``L = 2048``.
+    ring all-reduce: ``32 / (b + 32 / L)``, i.e. 3.99x (int8) and 7.97x (int4) for ``L = 2048``.
 
-    With ``error_feedback=True`` both residuals are kept, as LoCo does (Xie et al., 2024; with
-    LoCo's averaging coefficient ``beta = 0``): the invariant ``input + e_old == deq + e_new``
-    holds at both stages. Otherwise the state is empty and each call is unbiased only in the sense
-    of round-to-nearest.
+    With ``error_feedback=True`` both residuals are kept, as LoCo does (Xie et al., 2024, with
+    its averaging coefficient ``beta = 0``): ``input + e_old == deq + e_new`` at both stages.
+    Otherwise the state is empty.
 
     Reduce-scatter runs stages 1-3 without requantizing (the device keeps its fp32 chunk; only a
     worker residual). All-gather is qwZ: each device quantizes its row blockwise, codes and
@@ -339,99 +466,79 @@ class Quantize(Compressor):
                 f"jaxcomm: Quantize block_size must be an int >= 2, got {self.block_size!r}"
             )
 
-    # -- layout ------------------------------------------------------------------------------
-
-    def _layout(self, chunk_numel: int) -> tuple[int, int]:
+    def _layout(self, chunk_numel):
         return block_layout(chunk_numel, self.block_size, self.bits)
 
-    def init_all_reduce_state(self, numel: int, axis_size: int) -> QuantizeState | tuple:
-        if not self.error_feedback:
-            return ()
-        blocks, length = self._layout(-(-numel // axis_size))
-        chunk = blocks * length
-        return QuantizeState(
-            worker_error=jnp.zeros((axis_size * chunk,), jnp.float32),
-            server_error=jnp.zeros((chunk,), jnp.float32),
-        )
-
-    def init_reduce_scatter_state(self, row_numel: int, axis_size: int):
-        if not self.error_feedback:
-            return ()
-        blocks, length = self._layout(row_numel)
-        return QuantizeScatterState(jnp.zeros((axis_size * blocks * length,), jnp.float32))
-
-    # -- wire format ---------------------------------------------------------------------------
-
-    def _encode(self, blocks: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(..., B, L)`` fp32 -> wire codes, per-block ``1/scale``, and ``deq(q)``."""
+    def _encode(self, blocks, divisor):
+        del divisor  # absmax scaling is scale-invariant: nothing to guard
         q, inv = quantize_blocks(blocks, self.bits)
-        deq = q.astype(jnp.float32) * inv[..., None]
-        codes = pack_int4(q) if self.bits == 4 else q
-        return codes, inv, deq
+        recon = q.astype(jnp.float32) * inv[..., None]
+        return ((pack_int4(q) if self.bits == 4 else q), inv), recon
 
-    def _decode(self, codes: jax.Array, inv: jax.Array) -> jax.Array:
+    def _decode(self, wire):
+        codes, inv = wire
         q = unpack_int4(codes) if self.bits == 4 else codes
         return q.astype(jnp.float32) * inv[..., None]
 
-    def _decode_mean(self, codes: jax.Array, inv: jax.Array, axis_size: int) -> jax.Array:
-        """``(1/n) sum_j deq(codes[j])`` for ``(n, B, Lc)`` codes, in one fused pass for small n."""
-        weights = inv / axis_size
-        if axis_size <= 16:  # unrolled: reads each received row once, no (n, B, L) fp32 buffer
-            total = self._decode(codes[0], weights[0])
-            for j in range(1, axis_size):
-                total = total + self._decode(codes[j], weights[j])
-            return total
-        return jnp.sum(self._decode(codes, weights), axis=0)
+    def _reduce_mean(self, wire, axis_size):
+        codes, inv = wire
+        return _unrolled_sum(self._decode, (codes, inv / axis_size), axis_size)
 
-    def _exchange(self, buf, worker_error, axis_name, axis_size, blocks, length):
-        """Stages 1-2 (and the fp32 reduction of 3): this device's chunk of the mean."""
-        if worker_error is not None:
-            buf = buf + worker_error
-        codes, inv, deq = self._encode(buf.reshape(axis_size, blocks, length))
-        if worker_error is not None:
-            worker_error = buf - deq.reshape(-1)
-        codes = lax.all_to_all(ensure_varying(codes, axis_name), axis_name, 0, 0, tiled=True)
-        inv = lax.all_to_all(ensure_varying(inv, axis_name), axis_name, 0, 0, tiled=True)
-        return self._decode_mean(codes, inv, axis_size), worker_error
 
-    # -- collectives ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
+# bf16 / fp16 cast.
+# --------------------------------------------------------------------------------------------
 
-    def all_reduce(self, flat, state, *, axis_name, axis_size, mean):
-        numel = flat.shape[0]
-        blocks, length = self._layout(-(-numel // axis_size))
-        buf = jnp.pad(flat, (0, axis_size * blocks * length - numel))
-        ef = self.error_feedback
-        chunk, worker_error = self._exchange(
-            buf, state.worker_error if ef else None, axis_name, axis_size, blocks, length
-        )
-        if ef:
-            chunk = chunk + state.server_error.reshape(blocks, length)
-        codes, inv, deq = self._encode(chunk)
-        new_state = QuantizeState(worker_error, (chunk - deq).reshape(-1)) if ef else state
-        codes = all_gather_replicated(codes, axis_name)
-        inv = all_gather_replicated(inv, axis_name)
-        out = self._decode(codes, inv).reshape(-1)[:numel]
-        return (out if mean else out * axis_size), new_state
 
-    def reduce_scatter(self, rows, state, *, axis_name, axis_size, mean):
-        row_numel = rows.shape[1]
-        blocks, length = self._layout(row_numel)
-        buf = jnp.pad(rows, ((0, 0), (0, blocks * length - row_numel))).reshape(-1)
-        ef = self.error_feedback
-        chunk, worker_error = self._exchange(
-            buf, state.worker_error if ef else None, axis_name, axis_size, blocks, length
-        )
-        row = chunk.reshape(-1)[:row_numel]
-        new_state = QuantizeScatterState(worker_error) if ef else state
-        return (row if mean else row * axis_size), new_state
+@dataclass(frozen=True)
+class Cast(_ReduceInFp32):
+    """16-bit payload, fp32 reduction (torch's ``fp16_compress_hook`` / ``bf16_compress_hook``).
 
-    def all_gather(self, row, *, axis_name, axis_size):
-        """qwZ: blockwise-quantized rows are gathered and dequantized (lossy, no feedback)."""
-        row_numel = row.shape[0]
-        blocks, length = self._layout(row_numel)
-        buf = jnp.pad(row.astype(jnp.float32), (0, blocks * length - row_numel))
-        codes, inv, _ = self._encode(buf.reshape(blocks, length))
-        codes = all_gather_replicated(ensure_varying(codes, axis_name), axis_name)
-        inv = all_gather_replicated(ensure_varying(inv, axis_name), axis_name)
-        out = self._decode(codes, inv).reshape(axis_size, -1)[:, :row_numel]
-        return out.astype(row.dtype)
+    Worker stage: ``c_j = cast(x_j / n)`` (pre-divided by ``n``, as torch's fp16 hook does, so
+    ``n`` values near the fp16 maximum do not overflow); all_to_all; device ``r`` sums its chunk
+    in fp32: ``m = sum_j float(c_j)`` (the mean); ``cast(m)`` is all-gathered and widened.
+    The sum is ``n`` times the mean, computed in fp32 after the gather.
+
+    Why not ``psum`` of the 16-bit buffer: XLA's CPU pipeline promotes a bf16 all-reduce to f32
+    (measured on jax 0.10.2: ``all-reduce`` of ``f32`` with a ``_promoted`` reduction), which
+    silently doubles the bytes, and a 16-bit ring sums partial results in 16 bits at every hop.
+    all_to_all and all_gather only move data, and the payload crosses them as raw ``uint16``
+    bits: XLA also moves plain float converts across them (measured: with a ``bf16`` operand the
+    compiled all_to_all/all_gather ran in f32), but not a bitcast. The compiled HLO's payload is
+    ``u16`` (tested) and the reduction is fp32. Bytes: ``2 (n-1)/n * 2 N``, 2x less than fp32.
+
+    With ``error_feedback=True`` the rounding residuals of both casts are kept (in fp32), which
+    removes the bias of the running average. Sums beyond the 16-bit range are fine (the wire
+    carries ``x / n`` and the mean); a *mean* beyond it (fp16: 65504) becomes ``inf``.
+
+    Attributes:
+      dtype: ``jnp.bfloat16`` or ``jnp.float16``.
+      error_feedback: keep worker and server residuals.
+    """
+
+    dtype: Any = jnp.bfloat16
+    error_feedback: bool = False
+
+    def __post_init__(self):
+        if np.dtype(self.dtype) not in (np.dtype(jnp.bfloat16), np.dtype(np.float16)):
+            raise ValueError(
+                f"jaxcomm: Cast dtype must be jnp.bfloat16 or jnp.float16, got {self.dtype!r}"
+            )
+
+    def _layout(self, chunk_numel):
+        return 1, chunk_numel
+
+    def _encode(self, blocks, divisor):
+        scaled = blocks / divisor if divisor != 1 else blocks
+        payload = scaled.astype(self.dtype)
+        recon = payload.astype(jnp.float32)
+        # Sent as raw uint16 bits: XLA's algebraic passes move a float convert across an
+        # all_to_all/all_gather (measured: the bf16 payload became f32 on CPU), not a bitcast.
+        bits = lax.bitcast_convert_type(payload, jnp.uint16)
+        return (bits,), (recon * divisor if divisor != 1 else recon)
+
+    def _decode(self, wire):
+        return lax.bitcast_convert_type(wire[0], self.dtype).astype(jnp.float32)
+
+    def _reduce_mean(self, wire, axis_size):
+        return _unrolled_sum(self._decode, wire, axis_size)

@@ -284,3 +284,114 @@ def test_quantize_hlo_wire_ratio(mesh, bits, floor):
         assert {d for o in ops for d in o.dtypes} == {"s8" if bits == 8 else "u8", "f32"}
         ratio = wire_bytes(exact_pmean_hlo(mesh, tree)) / wire_bytes(text)
         assert ratio >= floor, ratio
+
+
+# --------------------------------------------------------------------------------------------
+# Cast
+# --------------------------------------------------------------------------------------------
+
+
+class CastModel:
+    """NumPy model of the 16-bit cast all-reduce (mean), all devices at once.
+
+    ``c_j = cast(x_j / n + e_w[j] / n)``; ``e_w[j] = x_j + e_w[j] - n c_j``; device ``r``:
+    ``m_r = sum_j c_j[chunk r] + e_s[r]``; ``e_s[r] = m_r - cast(m_r)``; output ``cast(m)``.
+    """
+
+    def __init__(self, n, numel, dtype, error_feedback):
+        self.n, self.numel, self.dtype, self.ef = n, numel, np.dtype(dtype), error_feedback
+        self.chunk = -(-numel // n)
+        self.worker_error = np.zeros((n, n * self.chunk), np.float32)
+        self.server_error = np.zeros((n * self.chunk,), np.float32)
+
+    def step(self, xs):
+        n = self.n
+        buf = np.zeros((n, n * self.chunk), np.float32)
+        buf[:, : self.numel] = xs
+        if self.ef:
+            buf = buf + self.worker_error
+        sent = (buf / np.float32(n)).astype(self.dtype).astype(np.float32)
+        if self.ef:
+            self.worker_error = buf - sent * np.float32(n)
+        m = np.zeros(n * self.chunk, np.float32)
+        for j in range(n):
+            m = m + sent[j]
+        if self.ef:
+            m = m + self.server_error
+        out = m.astype(self.dtype).astype(np.float32)
+        if self.ef:
+            self.server_error = m - out
+        return out[: self.numel]
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
+def test_cast_matches_numpy_model(mesh, dtype, error_feedback):
+    comp = jc.Cast(dtype, error_feedback=error_feedback)
+    numel = 1001
+    trees = [stacked(700 + k, {"g": (numel,)}) for k in range(4)]
+    outs, _ = reduce_steps(mesh, trees, comp)
+    model = CastModel(N, numel, dtype, error_feedback)
+    for tree, out in zip(trees, outs, strict=True):
+        np.testing.assert_allclose(out["g"], model.step(tree["g"]), rtol=1e-6, atol=1e-7)
+
+
+def test_cast_fp16_pre_divides_so_large_sums_do_not_overflow(mesh):
+    comp = jc.Cast(jnp.float16)
+    tree = {"g": np.full((N, 16), 60000.0, np.float32)}  # sum 480000 > fp16 max 65504
+    tree["g"][:, 0] = 70000.0  # a mean beyond the fp16 range: documented to become inf
+    (out,), _ = reduce_steps(mesh, [tree], comp, mean=False)
+    np.testing.assert_allclose(out["g"][1:], 480000.0, rtol=1e-3)
+    assert np.isposinf(out["g"][0])
+    (out,), _ = reduce_steps(mesh, [tree], comp, mean=True)
+    np.testing.assert_allclose(out["g"][1:], 60000.0, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
+def test_cast_payload_stays_16_bit_in_hlo(mesh, dtype):
+    """XLA may move a convert across a collective or promote a 16-bit all-reduce to f32."""
+    hlo_dtype = "u16"  # the payload's raw bits; a float convert would be moved by XLA
+    tree = {"g": jax.ShapeDtypeStruct((2**16,), jnp.float32)}
+    for ef in (False, True):
+        comp = jc.Cast(dtype, error_feedback=ef)
+        text = pmean_hlo(mesh, tree, comp)
+        ops = collectives_in_hlo(text)
+        assert {o.op for o in ops} == {"all-to-all", "all-gather"}, [o.line for o in ops]
+        assert {d for o in ops for d in o.dtypes} == {hlo_dtype}, [o.line for o in ops]
+        assert wire_bytes(exact_pmean_hlo(mesh, tree)) / wire_bytes(text) >= 1.99
+    # Scatter and gather too.
+    comp = jc.Cast(dtype)
+
+    def body(t, s):
+        shards, _ = jc.compressed_psum_scatter(t, None, axis_name="dp", compressor=comp)
+        full, _ = jc.compressed_all_gather(shards, None, axis_name="dp", compressor=comp, like=t)
+        return full, s
+
+    ops = collectives_in_hlo(compiled(mesh, tree, body))
+    assert {o.op for o in ops} == {"all-to-all", "all-gather"}
+    assert {d for o in ops for d in o.dtypes} == {hlo_dtype}
+
+
+def test_cast_scatter_gather_match_exact_within_rounding(mesh):
+    comp = jc.Cast(jnp.bfloat16)
+    tree = stacked(800, {"a": (40, 3)})
+
+    def body(t):
+        t = local(t)
+        shards, _ = jc.compressed_psum_scatter(t, None, axis_name="dp", compressor=comp)
+        exact = lax.psum_scatter(t["a"].reshape(N, -1), "dp", tiled=False)
+        full, _ = jc.compressed_all_gather(shards, None, axis_name="dp", compressor=comp, like=t)
+        return shards["a"], exact, full["a"]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")))
+    shards, exact, full = fn(tree)
+    np.testing.assert_allclose(shards, exact.reshape(-1), rtol=2e-2, atol=2e-2)
+    want = np.asarray(shards).astype(jnp.bfloat16).astype(np.float32).reshape(40, 3)
+    np.testing.assert_array_equal(np.asarray(full).reshape(N, 40, 3)[3], want)
+
+
+def test_cast_rejects_other_dtypes():
+    with pytest.raises(ValueError, match="Cast"):
+        jc.Cast(jnp.int8)
+    with pytest.raises(ValueError, match="Cast"):
+        jc.Cast(jnp.float32)

@@ -26,6 +26,8 @@ from jaxcomm.compressors import (
     TwoStageState,
 )
 from jaxcomm.distributed import DistributedInfo, init_distributed
+from jaxcomm.hlo import CommsReport, comms_report
+from jaxcomm.overlap import xla_flags
 
 __version__ = "0.1.0"
 
@@ -55,4 +57,8 @@ __all__ = [
     "init_distributed",
     "init_state",
     "shard_shapes",
+    # tooling
+    "CommsReport",
+    "comms_report",
+    "xla_flags",
 ]

@@ -1,160 +1,271 @@
 """The ``jaxcomm`` command line.
 
-``jaxcomm bench``: compressed vs exact all-reduce on simulated (or real) devices in one process:
-for each size and compressor, the median time of a jitted ``compressed_pmean``, the bytes each
-device sends (read from the compiled HLO), the wire ratio against an fp32 ``pmean``, and the
-error of one compressed step against the exact mean. It is the quickest check that jaxcomm works
-on a machine and what it saves; multi-process and shaped-network runs are in ``benchmarks/``.
+``jaxcomm bench``    nccl-tests / ds_bench for jaxcomm: time, algbw, busbw, wire bytes (HLO)
+``jaxcomm launch``   N local processes wired for ``jax.distributed`` (torchrun-style)
+
+Each subcommand is one ``_add_<name>`` function that registers its parser and sets ``run``;
+adding a command is adding one such function to ``_COMMANDS``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import statistics
+import signal
 import sys
-import time
+from collections.abc import Callable, Iterator
 
-COMPRESSORS = ("none", "onebit")
+from jaxcomm import bench as _bench_mod
+
+# --------------------------------------------------------------------------------------------
+# jaxcomm bench
+# --------------------------------------------------------------------------------------------
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="jaxcomm", description="jaxcomm tools")
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser(
+def _add_bench(sub) -> None:
+    p = sub.add_parser(
         "bench",
-        help="compressed vs exact pmean: time, bytes on the wire (HLO), error",
-        description=__doc__,
+        help="time compressed collectives: algbw, busbw, bytes on the wire (HLO)",
+        description=_bench_mod.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--devices", type=int, default=8, help="simulated CPU devices (8)")
-    bench.add_argument(
-        "--sizes",
-        default="4096,262144,4194304",
-        help="comma-separated fp32 elements per device (4096,262144,4194304)",
+    p.add_argument(
+        "--ops",
+        default=",".join(_bench_mod.OPS),
+        help=f"comma-separated subset of {','.join(_bench_mod.OPS)} (all)",
     )
-    bench.add_argument(
-        "--compressors", default=",".join(COMPRESSORS), help="comma-separated: none,onebit"
+    p.add_argument(
+        "--compressors",
+        default="none,onebit",
+        help="comma-separated compressor specs, e.g. none,onebit,quantize(bits=4); "
+        "'all' for every registered compressor that needs no arguments (none,onebit)",
     )
-    bench.add_argument("--repeats", type=int, default=5, help="timed runs per row (5)")
-    bench.add_argument(
-        "--feedback-steps",
-        type=int,
-        default=20,
-        help="steps on the same data; 'err avg' is the error of their average (20)",
+    p.add_argument(
+        "--sizes", default="64K,1M,16M", help="comma-separated message sizes (64K,1M,16M)"
     )
-    bench.add_argument("--json", metavar="OUT", help="also write the rows as JSON")
-    return parser.parse_args(argv)
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per row; median (5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per row (1)")
+    p.add_argument("--bucket-bytes", type=int, default=None, help="bucket size (one bucket)")
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices in-process (8)")
+    p.add_argument("--procs", type=int, default=None, help="run on N processes (gloo) instead")
+    p.add_argument("--rate", default=None, help="with --procs: shaped loopback rate, e.g. 1gbit")
+    p.add_argument("--delay", default=None, help="with --procs: loopback one-way delay, e.g. 1ms")
+    p.add_argument("--timeout", type=float, default=900.0, help="multi-process timeout (900 s)")
+    p.add_argument("--json", metavar="OUT", help="also write the rows as JSON")
+    p.add_argument("--plot", metavar="PNG", help="plot algbw against size (needs matplotlib)")
+    p.add_argument("--plain", action="store_true", help="plain-text table instead of rich")
+    p.set_defaults(run=_run_bench)
 
 
-def _compressor(name: str):
-    import jaxcomm as jc
+def _split(text: str) -> list[str]:
+    """Comma-separated items; commas inside parentheses stay: ``quantize(bits=4,block_size=64)``."""
+    items, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    items.append(cur)
+    return [i.strip() for i in items if i.strip()]
 
-    if name == "none":
-        return jc.NoCompression()
-    if name == "onebit":
-        return jc.OneBit()
-    raise SystemExit(f"jaxcomm bench: unknown compressor {name!r} (choose from {COMPRESSORS})")
+
+def _all_compressors() -> list[str]:
+    names = []
+    for name, factory in sorted(_bench_mod.compressor_registry().items()):
+        if name == "nocompression":
+            continue  # listed as "none"
+        try:
+            factory()
+        except (TypeError, ValueError):
+            continue
+        names.append(name)
+    return sorted(names, key=lambda n: (n != "none", n))
 
 
-def _bench(args: argparse.Namespace) -> int:
-    import jax
-
-    # Simulated devices must be requested before jax initializes its CPU backend.
-    if "JAX_NUM_CPU_DEVICES" not in os.environ:
-        jax.config.update("jax_num_cpu_devices", args.devices)
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import jaxcomm as jc
-    from jaxcomm.hlo import wire_bytes
-
-    n = min(args.devices, len(jax.devices()))
-    mesh = jax.make_mesh((n,), ("dp",), axis_types=(AxisType.Auto,))
-    sharded = NamedSharding(mesh, P("dp"))
-    rows = []
-    for size in [int(s) for s in args.sizes.split(",")]:
-        data = np.random.default_rng(0).normal(size=(n, size)).astype(np.float32)
-        exact_mean = data.mean(0)
-        x = jax.device_put(data.reshape(-1), sharded)
-        fp32_wire = None
-        for name in args.compressors.split(","):
-            comp = _compressor(name)
-            local = jax.ShapeDtypeStruct((size,), jnp.float32)
-            state = jc.init_state(comp, local, axis_size=n)
-            state = jax.device_put(jax.tree.map(lambda s: jnp.concatenate([s] * n), state), sharded)
-
-            def body(t, s, comp=comp):
-                return jc.compressed_pmean(t, s, axis_name="dp", compressor=comp)
-
-            fn = jax.jit(
-                jax.shard_map(
-                    body, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=(P(), P("dp"))
-                )
+def _run_bench(args: argparse.Namespace) -> int:
+    if args.plot:  # fail before measuring, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(
+                "jaxcomm bench: --plot needs matplotlib: pip install 'jaxcomm[examples]' "
+                "(or pip install matplotlib)",
+                file=sys.stderr,
             )
-            wire = wire_bytes(fn.lower(x, state).compile().as_text())
-            # One step's error, and that of the average over steps: error feedback makes the
-            # compressed stream unbiased over time even where one step is coarse.
-            total, step_state = 0.0, state
-            for step in range(args.feedback_steps):
-                out, step_state = fn(x, step_state)
-                total = total + np.asarray(out)
-                if step == 0:
-                    err = _rel_error(total, exact_mean)
-            avg_err = _rel_error(total / args.feedback_steps, exact_mean)
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                jax.block_until_ready(fn(x, state))
-                times.append(time.perf_counter() - start)
-            if name == "none":
-                fp32_wire = wire
-            rows.append(
-                dict(
-                    elements=size,
-                    compressor=name,
-                    median_ms=1e3 * statistics.median(times),
-                    wire_bytes=wire,
-                    wire_ratio=(fp32_wire / wire) if fp32_wire and wire else None,
-                    rel_error=err,
-                    rel_error_avg=avg_err,
-                )
-            )
-    _print_rows(rows, n)
+            return 2
+    try:
+        compressors = (
+            _all_compressors() if args.compressors.strip() == "all" else _split(args.compressors)
+        )
+        config = _bench_mod.BenchConfig(
+            ops=tuple(_split(args.ops)),
+            compressors=tuple(compressors),
+            sizes=tuple(_bench_mod.parse_size(s) for s in _split(args.sizes)),
+            repeats=args.repeats,
+            warmup=args.warmup,
+            bucket_bytes=args.bucket_bytes,
+            devices=args.devices,
+        ).validate()
+        rows = _bench_mod.run_bench(
+            config, procs=args.procs, rate=args.rate, delay=args.delay, timeout=args.timeout
+        )
+    except (ValueError, RuntimeError) as e:
+        print(f"jaxcomm bench: {e}" if not str(e).startswith("jaxcomm") else e, file=sys.stderr)
+        return 2
+    n = rows[0].devices if rows else 0
+    where = (
+        f"{args.procs} processes (gloo)"
+        + (f", loopback rate {args.rate}" if args.rate else "")
+        + (f", delay {args.delay}" if args.delay else "")
+        if args.procs
+        else f"{n} devices in one process"
+    )
+    title = (
+        f"jaxcomm bench: {where}; median of {config.repeats}; algbw = S/t (effective), "
+        "busbw per ds_bench, wire = bytes per device from HLO"
+    )
+    _bench_mod.print_rows(rows, title, plain=args.plain)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"devices": n, "rows": rows}, f, indent=2)
+            json.dump(
+                _bench_mod.rows_to_json(
+                    rows, config, procs=args.procs, rate=args.rate, delay=args.delay
+                ),
+                f,
+                indent=2,
+            )
+    if args.plot:
+        _bench_mod.plot_rows(rows, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
-def _rel_error(got, want) -> float:
-    import numpy as np
+# --------------------------------------------------------------------------------------------
+# jaxcomm launch
+# --------------------------------------------------------------------------------------------
 
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+_LAUNCH_EPILOG = """\
+Every rank gets MASTER_ADDR=127.0.0.1, MASTER_PORT (a free port), RANK, WORLD_SIZE,
+LOCAL_RANK and LOCAL_WORLD_SIZE, so `jc.init_distributed()` needs no arguments. Output lines
+are prefixed with "[rank r]". If a rank exits non-zero, the others are stopped (SIGTERM, then
+SIGKILL) and the launcher exits with that rank's code, naming it; Ctrl-C stops all ranks.
+
+--rate/--delay (root only) run all ranks in one private network namespace whose loopback is
+shaped by tc (tbf rate, netem delay).
+
+Multi-node: do not use this launcher; start one process per host with your scheduler and let
+jc.init_distributed() read its environment: torchrun/DeepSpeed (MASTER_ADDR, MASTER_PORT,
+RANK, WORLD_SIZE), `srun` under SLURM (SLURM_PROCID, SLURM_NTASKS, first host of
+SLURM_STEP_NODELIST), or `mpirun` (OMPI_COMM_WORLD_RANK/SIZE, with JAXCOMM_COORDINATOR=host:port).
+"""
 
 
-def _print_rows(rows: list[dict], n: int) -> None:
-    print(f"compressed_pmean on {n} devices (fp32 elements per device; bytes per device from HLO)")
-    header = f"{'elements':>10} {'compressor':>10} {'median ms':>10} {'wire bytes':>12}"
-    print(header + f" {'vs fp32':>8} {'err 1 step':>10} {'err avg':>10}")
-    for r in rows:
-        ratio = f"{r['wire_ratio']:.1f}x" if r["wire_ratio"] else "-"
-        print(
-            f"{r['elements']:>10} {r['compressor']:>10} {r['median_ms']:>10.2f} "
-            f"{r['wire_bytes']:>12.0f} {ratio:>8} {r['rel_error']:>10.3g} "
-            f"{r['rel_error_avg']:>10.3g}"
-        )
+def _add_launch(sub) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run N local processes wired for jax.distributed",
+        description="Start N local ranks of a script, torchrun-style.",
+        epilog=_LAUNCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    p.add_argument("--rate", default=None, help="shape the loopback to this tc rate (root)")
+    p.add_argument("--delay", default=None, help="one-way loopback delay via tc netem (root)")
+    p.add_argument("--port", type=int, default=None, help="coordinator port (a free one)")
+    p.add_argument("--timeout", type=float, default=None, help="kill all ranks after T seconds")
+    p.add_argument("--kill-grace", type=float, default=2.0, help="SIGTERM-to-SIGKILL seconds")
+    p.add_argument("-m", dest="module", default=None, help="run a module (python -m) instead")
+    p.add_argument("script", nargs="?", help="script.py (run with this Python) or a program")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for every rank")
+    p.set_defaults(run=_run_launch)
+
+
+def _rank_argv(args: argparse.Namespace) -> list[str]:
+    if args.module:
+        rest = ([args.script] if args.script else []) + list(args.args)
+        return [sys.executable, "-m", args.module, *rest]
+    if not args.script:
+        raise ValueError("name a script (script.py ARGS) or a module (-m module ARGS)")
+    if args.script.endswith(".py"):
+        return [sys.executable, args.script, *args.args]
+    return [args.script, *args.args]
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM/SIGHUP to the launcher unwind through launch_local's teardown, like Ctrl-C."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from jaxcomm.launch import launch_local, network_shaping_problem
+
+    try:
+        argv = _rank_argv(args)
+        if args.nprocs < 1:
+            raise ValueError(f"-n must be >= 1, got {args.nprocs}")
+        if args.rate or args.delay:
+            problem = network_shaping_problem(args.rate, args.delay)
+            if problem:
+                raise ValueError(f"cannot shape the network: {problem}")
+    except ValueError as e:
+        print(f"jaxcomm launch: {e}", file=sys.stderr)
+        return 2
+    try:
+        with _sigterm_as_interrupt():
+            result = launch_local(
+                args.nprocs,
+                argv,
+                port=args.port,
+                timeout=args.timeout,
+                netns_rate=args.rate,
+                netns_delay=args.delay,
+                echo=sys.stdout,
+                kill_grace=args.kill_grace,
+            )
+    except KeyboardInterrupt:
+        print("jaxcomm launch: interrupted; all ranks stopped", file=sys.stderr)
+        return 130
+    if result.ok:
+        return 0
+    print(f"jaxcomm launch: {result.describe()}; other ranks stopped", file=sys.stderr)
+    if result.timed_out:
+        return 124
+    code = result.returncodes[result.failed_rank]
+    return code if 0 < code < 256 else 1
+
+
+# --------------------------------------------------------------------------------------------
+
+_COMMANDS: tuple[Callable, ...] = (_add_bench, _add_launch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxcomm", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _COMMANDS:
+        add(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    if args.command == "bench":
-        return _bench(args)
-    return 2  # pragma: no cover - argparse enforces the choices
+    args = build_parser().parse_args(argv)
+    return args.run(args)
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

@@ -1,23 +1,65 @@
-"""The ``jaxcomm bench`` command, run in-process on the test session's 8 devices."""
+"""The ``jaxcomm bench`` command: in-process on the session's 8 devices, and on 2 processes."""
 
 import json
+import sys
+
+import pytest
+from conftest import NUM_DEVICES
+from test_distributed import multiprocess
 
 from jaxcomm.cli import main
 
+N = NUM_DEVICES
 
-def test_bench_rows(tmp_path, capsys):
+
+def test_bench_json_and_table(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    code = main(
-        ["bench", "--sizes", "2048", "--repeats", "1", "--feedback-steps", "3", "--json", str(out)]
-    )
+    args = ["bench", "--ops", "all_reduce,all_gather", "--sizes", "8K", "--repeats", "1"]
+    code = main([*args, "--json", str(out), "--plain"])
     assert code == 0
     result = json.loads(out.read_text())
-    rows = {r["compressor"]: r for r in result["rows"]}
-    assert result["devices"] == 8
-    assert rows["none"]["rel_error"] < 1e-6
+    rows = {(r["op"], r["compressor"]): r for r in result["rows"]}
+    assert set(rows) == {(o, c) for o in ("all_reduce", "all_gather") for c in ("none", "onebit")}
+    assert result["config"]["sizes"] == [8192]
     # fp32 ring all-reduce of 2048 floats: 2 * 7/8 * 8192 bytes per device.
-    assert rows["none"]["wire_bytes"] == 2 * 7 / 8 * 8192
-    assert rows["onebit"]["wire_ratio"] > 25
-    # Error feedback: the average over steps is closer to the exact mean than one step.
-    assert rows["onebit"]["rel_error_avg"] < rows["onebit"]["rel_error"]
-    assert "onebit" in capsys.readouterr().out
+    assert rows["all_reduce", "none"]["wire_bytes"] == 2 * 7 / 8 * 8192
+    assert rows["all_reduce", "none"]["rel_error"] < 1e-6
+    assert (
+        rows["all_reduce", "none"]["wire_bytes"] / rows["all_reduce", "onebit"]["wire_bytes"] > 20
+    )
+    table = capsys.readouterr().out
+    assert f"{N} devices in one process" in table
+    assert sum(line.startswith("all_reduce") for line in table.splitlines()) == 2
+
+
+def test_bench_bad_input_is_a_clear_error(capsys, monkeypatch):
+    assert main(["bench", "--ops", "gossip"]) == 2
+    assert "unknown op" in capsys.readouterr().err
+    assert main(["bench", "--compressors", "zip"]) == 2
+    assert "unknown compressor 'zip'" in capsys.readouterr().err
+    assert main(["bench", "--sizes", "12X"]) == 2
+    assert "cannot read size" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(["bench", "--plot", "out.png"]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+@multiprocess
+def test_bench_on_two_processes(tmp_path):
+    out = tmp_path / "rows.json"
+    args = ["bench", "--procs", "2", "--ops", "all_reduce,reduce_scatter", "--sizes", "4K"]
+    assert main([*args, "--repeats", "2", "--json", str(out), "--plain"]) == 0
+    rows = {(r["op"], r["compressor"]): r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 4 and all(r["devices"] == 2 for r in rows.values())
+    # n = 2: an all-reduce sends S, a reduce-scatter S/2 (ring model), in any process.
+    assert rows["all_reduce", "none"]["wire_bytes"] == 4096
+    assert rows["reduce_scatter", "none"]["wire_bytes"] == 2048
+    for op in ("all_reduce", "reduce_scatter"):
+        assert rows[op, "none"]["rel_error"] < 1e-6
+        assert rows[op, "onebit"]["wire_bytes"] < rows[op, "none"]["wire_bytes"] / 10
+        assert 0 < rows[op, "onebit"]["rel_error"] < 1
+
+
+def test_unknown_command_is_refused():
+    with pytest.raises(SystemExit):
+        main(["nope"])

@@ -120,3 +120,117 @@ def test_buckets_are_independent_chains(mesh):
             collectives.append(set().union(*ins))
     assert len(collectives) == 8  # 4 per bucket
     assert sorted(tuple(sorted(d)) for d in collectives) == [(0,)] * 4 + [(1,)] * 4, collectives
+
+
+# --------------------------------------------------------------------------------------------
+# comms_report and compiled-HLO dependencies.
+# --------------------------------------------------------------------------------------------
+
+
+def _smap(mesh, body, in_specs, out_specs):
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def test_comms_report_counts_and_bytes_match_the_hlo(mesh):
+    from jaxcomm.hlo import compiled_text
+
+    numel = 1 << 14
+    comp = jc.OneBit()
+    state = jc.init_state(comp, jax.ShapeDtypeStruct((numel,), jnp.float32), axis_size=N)
+    gstate = jax.tree.map(lambda s: jax.ShapeDtypeStruct((N * s.shape[0],), s.dtype), state)
+    x = jax.ShapeDtypeStruct((N * numel,), jnp.float32)
+
+    def body(t, s):
+        return jc.compressed_pmean(t, s, axis_name="dp", compressor=comp)
+
+    fn = _smap(mesh, body, (P("dp"), P("dp")), (P(), P("dp")))
+    report = jc.comms_report(fn, x, gstate, expect="uint8")
+    ops = collectives_in_hlo(compiled_text(fn, x, gstate))
+    assert report.ok, str(report)
+    assert sum(r.count for r in report.rows) == len(ops) == 4
+    np.testing.assert_allclose(report.wire_bytes, sum(o.wire_bytes for o in ops))
+    rows = {(r.op, r.dtype): r for r in report.rows}
+    # Signs: numel/8 bytes per stage; scales: one fp32 per device per stage (the reference model).
+    assert rows[("all-to-all", "u8")].payload_bytes == numel // 8
+    assert rows[("all-gather", "u8")].payload_bytes == numel // 8
+    assert rows[("all-gather", "f32")] == ("all-gather", "f32", 2, 2 * 4 * N, 2 * 7 * 4, "")
+    assert report.num_devices == N and report.expect == "u8"
+
+
+def test_comms_report_flags_an_fp32_payload_where_signs_are_expected(mesh):
+    numel = 1 << 14
+    fn = _smap(mesh, lambda t: lax.pmean(t, "dp"), P("dp"), P())
+    report = jc.comms_report(fn, jax.ShapeDtypeStruct((N * numel,), jnp.float32), expect="uint8")
+    (row,) = report.rows
+    assert (row.op, row.dtype, row.count, row.payload_bytes) == ("all-reduce", "f32", 1, 4 * numel)
+    assert not report.ok and "wider than the expected u8" in row.flag
+    text = str(report)
+    assert "!! wider than the expected u8" in text and "1 collective kind(s) flagged" in text
+    # Without an expectation an exact fp32 pmean is what the program asked for: no flag.
+    assert jc.comms_report(fn, jax.ShapeDtypeStruct((N * numel,), jnp.float32)).ok
+
+
+def test_comms_report_flags_what_xla_widened(mesh):
+    """A bf16 psum: flagged exactly when the compiled all-reduce is wider than bf16."""
+    numel = 4096
+
+    def body(t):
+        return lax.psum(t.astype(jnp.bfloat16), "dp").astype(jnp.float32)
+
+    fn = _smap(mesh, body, P("dp"), P())
+    report = jc.comms_report(fn, jax.ShapeDtypeStruct((N * numel,), jnp.float32))
+    assert report.requested == {"all-reduce": frozenset({"bf16"})}
+    (row,) = [r for r in report.rows if r.op == "all-reduce"]
+    widened = row.dtype != "bf16"
+    assert bool(row.flag) == widened, row
+    if widened:  # XLA's CPU compiler promotes this all-reduce to f32 (jaxlib 0.10)
+        assert row.flag.startswith("widened by XLA") and row.payload_bytes == 4 * numel
+
+
+def test_report_from_hlo_rules():
+    from jaxcomm.hlo import report_from_hlo
+
+    def line(dtype, numel):
+        return (
+            f"  %ar = {dtype}[{numel}]{{0}} all-reduce(%p), channel_id=1, "
+            "replica_groups={{0,1,2,3}}, to_apply=%add\n"
+        )
+
+    f32, bf16 = line("f32", 1024), line("bf16", 1024)
+    asked = {"all-reduce": {"bf16"}}
+    assert report_from_hlo(f32, asked).rows[0].flag.startswith("widened by XLA")
+    assert report_from_hlo(bf16, asked).ok
+    # expect: a large float payload wider than the compressed dtype is flagged, small ones not.
+    assert not report_from_hlo(line("f32", 4096), expect="int8").ok
+    assert report_from_hlo(f32, expect="int8").ok  # 4 KiB: at the small_bytes threshold
+    assert report_from_hlo(line("f32", 8), expect="int8").ok
+    assert report_from_hlo(line("s8", 4096), expect="int8").ok
+    with pytest.raises(ValueError, match="unknown expected dtype"):
+        report_from_hlo(f32, expect="not-a-dtype")
+
+
+def test_compiled_buckets_are_independent_chains(mesh):
+    """In the compiled program, each bucket's collectives read only that bucket's inputs."""
+    from jaxcomm.hlo import collective_dependencies, compiled_text
+
+    tree = {"a": jax.ShapeDtypeStruct((4096,), jnp.float32)} | {
+        "b": jax.ShapeDtypeStruct((4096,), jnp.float32)
+    }
+    comp = jc.OneBit()
+    state = jc.init_state(comp, tree, axis_size=N, bucket_bytes=4 * 4096)
+    assert len(state.buckets) == 2
+
+    def body(t, s):
+        return jc.compressed_pmean(t, s, axis_name="dp", compressor=comp, bucket_bytes=16384)
+
+    fn = _smap(mesh, body, (P(), P("dp")), (P(), P("dp")))
+    gstate = jax.tree.map(lambda s: jax.ShapeDtypeStruct((N * s.shape[0],), s.dtype), state)
+    deps = collective_dependencies(compiled_text(fn, tree, gstate))
+    # Flattened arguments: a, b, then (worker, server) error of bucket 0, then of bucket 1.
+    bucket_params = [{0, 2, 3}, {1, 4, 5}]
+    owners = []
+    for op, params in deps:
+        owner = [i for i, ps in enumerate(bucket_params) if params and params <= ps]
+        assert len(owner) == 1, (op.line, sorted(params))
+        owners.append(owner[0])
+    assert len(deps) == 8 and sorted(owners) == [0] * 4 + [1] * 4

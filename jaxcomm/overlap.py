@@ -1,0 +1,142 @@
+"""XLA flag presets that let communication overlap computation (GPU).
+
+jaxcomm splits a tree into buckets whose collective chains share no data (see
+``bucket_bytes``), so while one bucket's compressed payload is on the wire, the next bucket can
+be compressed, and the backward pass of a training step can keep running. Whether XLA actually
+overlaps them is a scheduler decision, controlled by flags that must be set (in ``XLA_FLAGS``)
+before the backend starts:
+
+``--xla_gpu_enable_latency_hiding_scheduler=true``
+    Schedules async collectives early and their ``-done`` late, with compute in between, using
+    a cost model of both.
+``--xla_gpu_enable_pipelined_{all_reduce,all_gather,reduce_scatter}=true``
+    In loops (scan over layers, microbatches), moves iteration i's collective across the loop
+    boundary so that it overlaps iteration i+1's compute.
+``--xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes=B``
+    Largest collective XLA's combiner may build by merging small ones. Set it to
+    ``bucket_bytes`` (or less) so that XLA does not fuse jaxcomm's buckets back into one
+    collective that cannot overlap anything.
+``--xla_gpu_enable_reassociation_for_converted_ar=false``
+    ``true`` (XLA's default) lets XLA move a convert across an all-reduce, which turns a bf16
+    all-reduce into an f32 one (twice the bytes); ``false`` keeps the dtype the program asked
+    for. :func:`jaxcomm.comms_report` flags such widened collectives.
+``--xla_gpu_enable_highest_priority_async_stream=true``
+    Runs collectives on a high-priority stream so that compute kernels do not starve them.
+
+On CPU, XLA runs collectives synchronously: there is nothing to overlap and
+``xla_flags("cpu")`` is empty. TPU's scheduler overlaps by default (its flags go through
+``LIBTPU_INIT_ARGS``, not covered here).
+
+Usage (before ``import jax`` creates a backend)::
+
+    import os, jaxcomm as jc
+    os.environ["XLA_FLAGS"] = jc.xla_flags("gpu", combine_threshold_bytes=32 << 20)
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+__all__ = ["FLAG_DOCS", "merge_flags", "set_xla_flags", "xla_flags"]
+
+#: Every flag the presets may emit, with what it does (for docs and ``--help`` texts).
+FLAG_DOCS: dict[str, str] = {
+    "xla_gpu_enable_latency_hiding_scheduler": (
+        "schedule async collectives early and their completion late, with compute between"
+    ),
+    "xla_gpu_enable_pipelined_all_reduce": "overlap a loop iteration's all-reduce with the next",
+    "xla_gpu_enable_pipelined_all_gather": "overlap a loop iteration's all-gather with the next",
+    "xla_gpu_enable_pipelined_reduce_scatter": (
+        "overlap a loop iteration's reduce-scatter with the next"
+    ),
+    "xla_gpu_all_reduce_combine_threshold_bytes": "largest all-reduce XLA's combiner may build",
+    "xla_gpu_all_gather_combine_threshold_bytes": "largest all-gather XLA's combiner may build",
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": (
+        "largest reduce-scatter XLA's combiner may build"
+    ),
+    "xla_gpu_enable_reassociation_for_converted_ar": (
+        "let XLA widen a converted all-reduce (bf16 -> f32); false keeps the requested dtype"
+    ),
+    "xla_gpu_enable_highest_priority_async_stream": "run collectives on a high-priority stream",
+}
+
+_PLATFORMS = ("gpu", "cpu")
+
+
+def _bool(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def xla_flags(
+    platform: str = "gpu",
+    *,
+    latency_hiding: bool = True,
+    pipelined: bool = True,
+    combine_threshold_bytes: int | None = None,
+    keep_payload_dtype: bool = True,
+    priority_stream: bool = True,
+    base: str | None = None,
+) -> str:
+    """``XLA_FLAGS`` that let jaxcomm's bucketed collectives overlap compute on ``platform``.
+
+    Args:
+      platform: ``"gpu"``, or ``"cpu"`` (no overlap flags: XLA's CPU collectives are
+        synchronous).
+      latency_hiding: enable the latency-hiding scheduler.
+      pipelined: pipeline all-reduce, all-gather and reduce-scatter across loop iterations.
+      combine_threshold_bytes: cap for XLA's collective combiners; pass your ``bucket_bytes``
+        (or less) so XLA keeps the buckets separate. ``None`` leaves XLA's default.
+      keep_payload_dtype: turn off XLA's reassociation of converted all-reduces, which widens
+        a bf16 all-reduce to f32.
+      priority_stream: give collectives the highest-priority stream.
+      base: flags to start from (default: the current ``XLA_FLAGS``); the preset's flags
+        replace same-named ones, the rest are kept.
+
+    Returns:
+      A space-separated flag string for ``XLA_FLAGS``.
+    """
+    if platform not in _PLATFORMS:
+        raise ValueError(
+            f"jaxcomm.xla_flags: platform must be one of {_PLATFORMS}, got {platform!r}"
+        )
+    if combine_threshold_bytes is not None and (
+        not isinstance(combine_threshold_bytes, int) or combine_threshold_bytes < 0
+    ):
+        raise ValueError(
+            f"jaxcomm.xla_flags: combine_threshold_bytes must be an int >= 0, "
+            f"got {combine_threshold_bytes!r}"
+        )
+    flags: dict[str, str] = {}
+    if platform == "gpu":
+        flags["xla_gpu_enable_latency_hiding_scheduler"] = _bool(latency_hiding)
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            flags[f"xla_gpu_enable_pipelined_{op}"] = _bool(pipelined)
+            if combine_threshold_bytes is not None:
+                flags[f"xla_gpu_{op}_combine_threshold_bytes"] = str(combine_threshold_bytes)
+        flags["xla_gpu_enable_reassociation_for_converted_ar"] = _bool(not keep_payload_dtype)
+        flags["xla_gpu_enable_highest_priority_async_stream"] = _bool(priority_stream)
+    return merge_flags(os.environ.get("XLA_FLAGS", "") if base is None else base, flags)
+
+
+def merge_flags(base: str, flags: dict[str, str]) -> str:
+    """``base`` flags with ``flags`` (name -> value) replacing same-named ones, in order."""
+    kept = [tok for tok in shlex.split(base) if tok.lstrip("-").split("=", 1)[0] not in flags]
+    return " ".join(kept + [f"--{k}={v}" for k, v in flags.items()])
+
+
+def set_xla_flags(platform: str = "gpu", **kwargs) -> str:
+    """Writes :func:`xla_flags` into ``os.environ["XLA_FLAGS"]`` and returns it.
+
+    Raises:
+      RuntimeError: a JAX backend already exists, so the flags would be ignored.
+    """
+    from jaxcomm.distributed import _backends_initialized
+
+    if _backends_initialized():
+        raise RuntimeError(
+            "jaxcomm.set_xla_flags: a JAX backend is already initialized; XLA reads XLA_FLAGS "
+            "once. Call this before the first jax computation (or set XLA_FLAGS in the shell)."
+        )
+    os.environ["XLA_FLAGS"] = xla_flags(platform, **kwargs)
+    return os.environ["XLA_FLAGS"]

@@ -1,0 +1,116 @@
+"""jaxcomm.bench: compressor registry, sizes, bus factors, rows against the ring cost model."""
+
+import dataclasses
+import inspect
+
+import numpy as np
+import pytest
+from conftest import NUM_DEVICES
+
+import jaxcomm as jc
+from jaxcomm import bench
+
+N = NUM_DEVICES
+
+
+def test_registry_has_every_exported_compressor():
+    registry = bench.compressor_registry()
+    exported = {
+        name.lower()
+        for name in jc.__all__
+        if inspect.isclass(getattr(jc, name))
+        and issubclass(getattr(jc, name), jc.Compressor)
+        and not inspect.isabstract(getattr(jc, name))
+    }
+    assert {"nocompression", "onebit"} <= exported
+    assert exported <= set(registry)
+    assert registry["none"] is jc.NoCompression and registry["onebit"] is jc.OneBit
+
+
+def test_make_compressor_specs(monkeypatch):
+    assert bench.make_compressor("none") == jc.NoCompression()
+    assert bench.make_compressor(" OneBit() ") == jc.OneBit()
+
+    @dataclasses.dataclass(frozen=True)
+    class Scaled(jc.NoCompression):
+        factor: float = 1.0
+
+    monkeypatch.setattr(bench, "_USER_REGISTRY", {})
+    bench.register_compressor("scaled", Scaled)
+    assert bench.make_compressor("scaled(factor=2.5)") == Scaled(2.5)
+    with pytest.raises(ValueError, match="unknown compressor 'nope'"):
+        bench.make_compressor("nope")
+    with pytest.raises(ValueError, match="key=literal"):
+        bench.make_compressor("scaled(1 + x)")
+    with pytest.raises(ValueError, match="cannot build"):
+        bench.make_compressor("onebit(bogus=1)")
+
+
+def test_parse_size_and_bus_factor():
+    assert bench.parse_size("4096") == 4096
+    assert bench.parse_size("64K") == 64 * 1024
+    assert bench.parse_size("1.5M") == 3 * 2**19
+    assert bench.parse_size("1g") == 2**30
+    for bad in ("", "12X", "-1K", "0"):
+        with pytest.raises(ValueError):
+            bench.parse_size(bad)
+    assert bench.bus_factor("all_reduce", 8) == 2 * 7 / 8
+    for op in ("reduce_scatter", "all_gather", "all_to_all"):
+        assert bench.bus_factor(op, 4) == 3 / 4
+    with pytest.raises(ValueError):
+        bench.bus_factor("broadcast", 4)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="unknown op"):
+        bench.BenchConfig(ops=("all_reduce", "gossip")).validate()
+    with pytest.raises(ValueError, match="repeats"):
+        bench.BenchConfig(repeats=0).validate()
+    with pytest.raises(ValueError, match="unknown compressor"):
+        bench.BenchConfig(compressors=("zip",)).validate()
+    with pytest.raises(ValueError, match="need --procs"):
+        bench.run_bench(bench.BenchConfig(), rate="1gbit")
+
+
+def test_rows_follow_the_cost_model():
+    """Every op, exact and 1-bit, on 8 devices: bytes and bandwidths from first principles."""
+    size = 16 << 10
+    config = bench.BenchConfig(sizes=(size,), repeats=1, warmup=0)
+    rows = {(r.op, r.compressor): r for r in bench.run_bench(config)}
+    assert set(rows) == {(op, c) for op in bench.OPS for c in ("none", "onebit")} - {
+        ("all_to_all", "onebit")  # no compressed all-to-all: measured once, exactly
+    }
+    ring = {"all_reduce": 2 * (N - 1) / N, "reduce_scatter": (N - 1) / N}
+    ring |= {"all_gather": (N - 1) / N, "all_to_all": (N - 1) / N}
+    for (op, comp), r in rows.items():
+        assert r.devices == N and r.size_bytes == size
+        assert r.median_s > 0
+        np.testing.assert_allclose(r.algbw, size / r.median_s)
+        np.testing.assert_allclose(r.busbw, r.algbw * ring[op])
+        np.testing.assert_allclose(r.wire_bw, r.wire_bytes / r.median_s)
+        if comp == "none" or op == "all_gather":  # OneBit gathers exactly
+            np.testing.assert_allclose(r.wire_bytes, ring[op] * size)
+            assert r.rel_error < 1e-6, r
+        assert not r.flags
+    # 1-bit: the signs (1/32 of the bytes) plus n fp32 scales per stage.
+    numel = size // 4
+    signs = 2 * (N - 1) / N * numel / 8
+    scales = 2 * (N - 1) / N * 4 * N
+    np.testing.assert_allclose(rows["all_reduce", "onebit"].wire_bytes, signs + scales)
+    assert rows["all_reduce", "none"].wire_bytes / rows["all_reduce", "onebit"].wire_bytes > 25
+    # One 1-bit step on Gaussian data is coarse but far from useless (sign and scale kept).
+    assert 0.3 < rows["all_reduce", "onebit"].rel_error < 1.0
+
+
+def test_rows_text_and_plot(tmp_path):
+    row = bench.BenchRow(
+        "all_reduce", "onebit", 8, 1 << 20, 0.002, 5e8, 8.75e8, 57400, 2.9e7, 0.8, ""
+    )
+    text = bench.format_rows([row, row._replace(compressor="none", size_bytes=4096)])
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["op", "compressor", "size"]
+    assert lines[1].split()[:5] == ["all_reduce", "onebit", "1M", "2.000", "0.5"]
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bw.png"
+    bench.plot_rows([row, row._replace(size_bytes=4096, algbw=1e8)], str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

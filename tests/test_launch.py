@@ -1,0 +1,162 @@
+"""The ``jaxcomm launch`` command, run as a real subprocess: wiring, prefixes, failure path."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_distributed import multiprocess
+
+from jaxcomm.launch import network_shaping_problem
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = multiprocess
+
+
+def _env():
+    flags = " ".join(
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    )
+    return {
+        **os.environ,
+        "JAX_NUM_CPU_DEVICES": "1",
+        "XLA_FLAGS": flags,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
+
+
+def _launch(*args, timeout=120, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "jaxcomm.cli", "launch", *args],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return "\nState:\tZ" not in status  # a zombie is dead, just not yet reaped
+
+
+_DISTRIBUTED = """\
+import jax, numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jaxcomm as jc
+
+info = jc.init_distributed()
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("dp",))
+x = jax.make_array_from_process_local_data(
+    NamedSharding(mesh, P("dp")), np.array([info.process_id + 1.0], np.float32))
+total = jax.jit(jax.shard_map(lambda v: lax.psum(v, "dp"), mesh=mesh, in_specs=P("dp"),
+                              out_specs=P()))(x)
+print(f"rank {info.process_id} of {info.num_processes}: sum {float(total.addressable_data(0)[0])}")
+jax.distributed.shutdown()
+"""
+
+
+def test_launch_wires_ranks_for_jax_distributed(tmp_path):
+    script = tmp_path / "psum.py"
+    script.write_text(_DISTRIBUTED)
+    proc = _launch("-n", "3", str(script))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ": sum " in ln]
+    # Each line carries its rank's prefix; 1 + 2 + 3 = 6 on every rank.
+    assert sorted(lines) == [f"[rank {r}] rank {r} of 3: sum 6.0" for r in range(3)]
+
+
+def test_launch_passes_arguments_and_env(tmp_path):
+    script = tmp_path / "echo.py"
+    script.write_text(
+        "import os, sys\n"
+        "print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'],"
+        " *sys.argv[1:])\n"
+    )
+    proc = _launch("-n", "2", str(script), "--flag", "x y")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == [
+        f"[rank {r}] {r} 2 127.0.0.1 --flag x y" for r in range(2)
+    ]
+    proc = _launch("-n", "2", "-m", "platform")  # a module, like python -m
+    assert proc.returncode == 0 and proc.stdout.count("[rank ") == 2
+
+
+_FAIL = """\
+import os, sys, time
+from pathlib import Path
+rank = os.environ["RANK"]
+Path(sys.argv[1], rank).write_text(str(os.getpid()))
+if rank == "1":
+    time.sleep(0.5)
+    print("rank 1 giving up", flush=True)
+    sys.exit(3)
+time.sleep(120)
+"""
+
+
+def test_failed_rank_stops_the_others_and_is_named(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(_FAIL)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    start = time.monotonic()
+    proc = _launch("-n", "3", "--kill-grace", "1", str(script), str(pids), timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 3, proc.stderr
+    assert elapsed < 15, f"survivors not stopped promptly ({elapsed:.1f}s)"
+    assert "rank 1 exited with code 3" in proc.stderr
+    assert "[rank 1] rank 1 giving up" in proc.stdout
+    survivors = [int((pids / r).read_text()) for r in ("0", "2")]
+    time.sleep(0.2)
+    assert not any(_alive(p) for p in survivors), "orphaned rank processes"
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text(_FAIL.replace('rank == "1"', "False"))
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jaxcomm.cli", "launch", "-n", "2", str(script), str(pids)],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ranks = [int(p.read_text()) for p in pids.iterdir()]
+        assert len(ranks) == 2
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=15)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 130 and "all ranks stopped" in err
+    time.sleep(0.2)
+    assert not any(_alive(p) for p in ranks)
+
+
+def test_launch_usage_errors(tmp_path):
+    proc = _launch("-n", "2")
+    assert proc.returncode == 2 and "name a script" in proc.stderr
+    proc = _launch("-n", "0", "x.py")
+    assert proc.returncode == 2 and "-n must be >= 1" in proc.stderr
+    problem = network_shaping_problem(None, "1ms")
+    if problem is None:
+        pytest.skip("netem works here: --delay is usable")
+    proc = _launch("-n", "2", "--delay", "1ms", "x.py")
+    assert proc.returncode == 2 and "cannot shape the network" in proc.stderr

@@ -23,7 +23,7 @@ run: venv
 	$(VENV)/bin/jaxcomm bench
 
 bench: venv
-	$(PY) benchmarks/onebit_1gbit.py
+	$(PY) benchmarks/compressors_1gbit.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,10 +1,10 @@
-"""fp32 ``lax.pmean`` vs 1-bit ``jc.compressed_pmean`` between 2 processes on a 1 Gbit/s link.
+"""fp32 ``lax.pmean`` vs every compressor's ``jc.compressed_pmean``, 2 processes, 1 Gbit/s link.
 
 Two processes (one CPU device each, gloo collectives over TCP) run in a private network
 namespace whose loopback is shaped with ``tc tbf`` to ``--rate``, which stands in for a slow
 cluster interconnect. Each reduces ``--size-mb`` of fp32 per process inside ``jax.shard_map``
-over the 2-device global mesh, once with ``lax.pmean`` and once with
-``jc.compressed_pmean(..., compressor=jc.OneBit())``.
+over the 2-device global mesh, once with ``lax.pmean`` and once per compressor with
+``jc.compressed_pmean(..., compressor=c)`` (``--methods`` picks them; all by default).
 
 Timing: 2 warm-up calls, then ``--repeats`` timed calls, each preceded by a barrier (a tiny
 cross-process psum, timed too) so that both ranks start together; a call's time is the slower
@@ -13,8 +13,8 @@ HLO (:func:`jaxcomm.hlo.wire_bytes`).
 
 Usage (needs root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped loopback)::
 
-    python benchmarks/onebit_1gbit.py [--size-mb 64] [--rate 1gbit] [--repeats 5]
-                                      [--no-shape] [--json OUT]
+    python benchmarks/compressors_1gbit.py [--size-mb 64] [--rate 1gbit] [--repeats 5]
+                                           [--methods onebit,int8,...] [--no-shape] [--json OUT]
 """
 
 from __future__ import annotations
@@ -33,7 +33,38 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
 WARMUP = 2
-TARGET_RATIO = 8.0
+
+#: name -> (compressor as written in user code, end-to-end speedup target vs fp32 pmean).
+METHODS = {
+    "onebit": ("jc.OneBit()", 8.0),
+    "int8": ("jc.Quantize(bits=8)", 3.0),
+    "int8_ef": ("jc.Quantize(bits=8, error_feedback=True)", 3.0),
+    "int4": ("jc.Quantize(bits=4)", 4.0),
+    "int4_ef": ("jc.Quantize(bits=4, error_feedback=True)", 4.0),
+    "bf16": ("jc.Cast(jnp.bfloat16)", 1.7),
+    "fp16": ("jc.Cast(jnp.float16)", 1.7),
+}
+
+
+def make_compressor(name: str):
+    """The compressor of ``METHODS[name]``."""
+    import jax.numpy as jnp
+
+    import jaxcomm as jc
+
+    if name not in METHODS:
+        raise SystemExit(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    factories = {
+        "onebit": lambda: jc.OneBit(),
+        "int8": lambda: jc.Quantize(bits=8),
+        "int8_ef": lambda: jc.Quantize(bits=8, error_feedback=True),
+        "int4": lambda: jc.Quantize(bits=4),
+        "int4_ef": lambda: jc.Quantize(bits=4, error_feedback=True),
+        "bf16": lambda: jc.Cast(jnp.bfloat16),
+        "fp16": lambda: jc.Cast(jnp.float16),
+    }
+    comp = factories[name]()
+    return comp
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -42,6 +73,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", default="1gbit", help="tc rate of the shaped loopback (1gbit)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per method (5)")
     p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
+    p.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated ({','.join(METHODS)})"
+    )
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
     p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
@@ -76,11 +110,8 @@ def _worker(args: argparse.Namespace) -> None:
         return jax.make_array_from_process_local_data(sharded, np.asarray(x))
 
     x = to_global(np.random.default_rng(rank).standard_normal(numel, dtype=np.float32))
-    comp = jc.OneBit()
-    state = jax.tree.map(
-        lambda s: to_global(np.asarray(s)),
-        jc.init_state(comp, jax.ShapeDtypeStruct((numel,), jnp.float32), axis_size=n),
-    )
+    like = jax.ShapeDtypeStruct((numel,), jnp.float32)
+    names = [m for m in args.methods.split(",") if m]
 
     def smap(fn, in_specs, out_specs, donate=()):
         return jax.jit(
@@ -88,15 +119,9 @@ def _worker(args: argparse.Namespace) -> None:
             donate_argnums=donate,
         )
 
-    # Both methods donate their input, as a training step can donate its gradients (and 1-bit
-    # its error feedback): outputs then reuse input buffers instead of fresh 64 MiB allocations.
+    # Every method donates its input, as a training step can donate its gradients (and its error
+    # feedback): outputs then reuse input buffers instead of fresh 64 MiB allocations.
     fp32 = smap(lambda v: lax.pmean(v, "dp"), P("dp"), P(), donate=(0,))
-    onebit = smap(
-        lambda v, s: jc.compressed_pmean(v, s, axis_name="dp", compressor=comp),
-        (P("dp"), P("dp")),
-        (P(), P("dp")),
-        donate=(0, 1),
-    )
     token = to_global(np.ones((1,), np.float32))
     barrier_fn = smap(lambda t: lax.psum(t, "dp"), P("dp"), P())
 
@@ -105,23 +130,32 @@ def _worker(args: argparse.Namespace) -> None:
         barrier_fn(token).block_until_ready()
         return time.perf_counter() - t0
 
-    wire = {
-        "fp32": wire_bytes(fp32.lower(x).compile().as_text()),
-        "onebit": wire_bytes(onebit.lower(x, state).compile().as_text()),
-    }
-
     fresh_copy = jax.jit(jnp.copy)
+    wire = {"fp32": wire_bytes(fp32.lower(x).compile().as_text())}
+    runners = {"fp32": lambda v: fp32(v).block_until_ready()}
+    for name in names:
+        comp = make_compressor(name)
+        state = jax.tree.map(
+            lambda s: to_global(np.asarray(s)), jc.init_state(comp, like, axis_size=n)
+        )
+        fn = smap(
+            lambda v, s, comp=comp: jc.compressed_pmean(v, s, axis_name="dp", compressor=comp),
+            (P("dp"), P("dp")),
+            (P(), P("dp")),
+            donate=(0, 1),
+        )
+        wire[name] = wire_bytes(fn.lower(x, state).compile().as_text())
+        holder = {"state": state}
 
-    def run_fp32(v):
-        fp32(v).block_until_ready()
+        def run(v, fn=fn, holder=holder):
+            out, holder["state"] = fn(v, holder["state"])
+            jax.block_until_ready((out, holder["state"]))
 
-    def run_onebit(v):
-        nonlocal state
-        out, state = onebit(v, state)
-        jax.block_until_ready((out, state))
+        runners[name] = run
 
-    times: dict[str, list[float]] = {"fp32": [], "onebit": [], "barrier": []}
-    for name, fn in (("fp32", run_fp32), ("onebit", run_onebit)):
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    times["barrier"] = []
+    for name, fn in runners.items():
         for _ in range(WARMUP):
             v = fresh_copy(x).block_until_ready()
             barrier()
@@ -132,7 +166,7 @@ def _worker(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             fn(v)
             times[name].append(time.perf_counter() - t0)
-        print(f"{name}: {[round(t, 4) for t in times[name]]}", flush=True)
+        print(f"rank {rank} {name}: {[round(t, 4) for t in times[name]]}", flush=True)
 
     result = {"rank": rank, "num_processes": n, "numel": numel, "times": times, "wire": wire}
     Path(args.worker, f"rank{rank}.json").write_text(json.dumps(result))
@@ -151,21 +185,20 @@ def _summarize(ranks: list[dict], args: argparse.Namespace, shaped: bool) -> dic
         per_run = [max(r["times"][name][i] for r in ranks) for i in range(args.repeats)]
         return statistics.median(per_run)
 
-    fp32 = slowest_median("fp32")
-    onebit = slowest_median("onebit")
+    names = [k for k in ranks[0]["times"] if k != "barrier"]
+    medians = {name: slowest_median(name) for name in names}
+    wire = ranks[0]["wire"]
     return {
         "size_mb": args.size_mb,
         "numel": ranks[0]["numel"],
         "num_processes": ranks[0]["num_processes"],
         "rate": args.rate if shaped else None,
         "repeats": args.repeats,
-        "median_s": {"fp32_pmean": fp32, "onebit_pmean": onebit},
+        "median_s": medians,
         "barrier_median_s": slowest_median("barrier"),
-        "speedup": fp32 / onebit,
-        "wire_bytes_per_device": {
-            "fp32_pmean": ranks[0]["wire"]["fp32"],
-            "onebit_pmean": ranks[0]["wire"]["onebit"],
-        },
+        "speedup": {k: medians["fp32"] / medians[k] for k in names},
+        "wire_bytes_per_device": wire,
+        "wire_ratio": {k: wire["fp32"] / max(wire[k], 1) for k in names},
         "times_s": {r["rank"]: r["times"] for r in ranks},
     }
 
@@ -176,14 +209,16 @@ def _table(s: dict) -> str:
     rows = [
         f"{s['num_processes']} processes x {s['size_mb']:g} MiB fp32, link: {link}, "
         f"median of {s['repeats']} (barrier {s['barrier_median_s'] * 1e3:.1f} ms)",
-        f"{'method':<22}{'median (s)':>12}{'wire / device':>16}",
-        f"{'fp32 lax.pmean':<22}{s['median_s']['fp32_pmean']:>12.4f}"
-        f"{w['fp32_pmean'] / 2**20:>12.2f} MiB",
-        f"{'1-bit compressed_pmean':<22}{s['median_s']['onebit_pmean']:>12.4f}"
-        f"{w['onebit_pmean'] / 2**20:>12.2f} MiB",
-        f"speedup {s['speedup']:.2f}x (target >= {TARGET_RATIO:g}x), "
-        f"wire ratio {w['fp32_pmean'] / max(w['onebit_pmean'], 1):.1f}x",
+        f"{'method':<44}{'median (s)':>11}{'wire/device':>14}{'wire x':>8}{'speedup':>9}"
+        f"{'target':>8}",
     ]
+    for name, median in s["median_s"].items():
+        label, target = ("fp32 lax.pmean", None) if name == "fp32" else METHODS[name]
+        tgt = f">={target:g}x" if target else ""
+        rows.append(
+            f"{label:<44}{median:>11.4f}{w[name] / 2**20:>10.2f} MiB{s['wire_ratio'][name]:>7.2f}x"
+            f"{s['speedup'][name]:>8.2f}x{tgt:>8}"
+        )
     return "\n".join(rows)
 
 
@@ -204,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="jaxcomm-bench-") as out:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", out]
         cmd += ["--size-mb", str(args.size_mb), "--repeats", str(args.repeats)]
+        cmd += ["--methods", args.methods]
         result = launch_local(
             2,
             cmd,

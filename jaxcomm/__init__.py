@@ -27,7 +27,30 @@ from jaxcomm.compressors import (
 )
 from jaxcomm.distributed import DistributedInfo, init_distributed
 from jaxcomm.hlo import CommsReport, comms_report
+from jaxcomm.optimizers import (
+    CompressedMeanState,
+    LocalState,
+    OneBitAdamState,
+    ZeroOneAdamState,
+    compressed_mean,
+    onebit_adam,
+    zero_one_adam,
+)
 from jaxcomm.overlap import xla_flags
+from jaxcomm.parallel import (
+    PER_DEVICE_TYPES,
+    TrainState,
+    from_pmap_layout,
+    global_view,
+    local_view,
+    make_pmap_train_step,
+    make_train_step,
+    params_of,
+    stack_per_device,
+    state_partition_specs,
+    to_pmap_layout,
+    train_state_specs,
+)
 
 __version__ = "0.1.0"
 
@@ -61,4 +84,25 @@ __all__ = [
     "CommsReport",
     "comms_report",
     "xla_flags",
+    # optimizers
+    "CompressedMeanState",
+    "LocalState",
+    "OneBitAdamState",
+    "ZeroOneAdamState",
+    "compressed_mean",
+    "onebit_adam",
+    "zero_one_adam",
+    # data parallel
+    "PER_DEVICE_TYPES",
+    "TrainState",
+    "from_pmap_layout",
+    "global_view",
+    "local_view",
+    "make_pmap_train_step",
+    "make_train_step",
+    "params_of",
+    "stack_per_device",
+    "state_partition_specs",
+    "to_pmap_layout",
+    "train_state_specs",
 ]

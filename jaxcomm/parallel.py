@@ -1,0 +1,387 @@
+"""Data-parallel training steps and the layout of optimizer states across devices.
+
+Layout. A state leaf is either **replicated** (the same value on every device) or
+**per-device** (the error feedback of compressed collectives, 0/1 Adam's local momentum). A leaf
+is per-device exactly when it sits inside a node of one of :data:`PER_DEVICE_TYPES`
+(``jc.ReduceState``, ``jc.ScatterState``, ``jc.LocalState``). In the *global* layout used
+here, with ``n`` devices on the axis:
+
+* replicated leaves have their local shape and ``PartitionSpec()``;
+* per-device leaves are stacked on a new leading axis, shape ``(n, *local_shape)``, with
+  ``PartitionSpec(axis_name)``: device ``r`` holds row ``r``.
+
+The *pmap* layout stacks every leaf on a leading axis of size ``n``
+(:func:`to_pmap_layout` / :func:`from_pmap_layout` convert).
+
+Parameters are replicated, except with :func:`jaxcomm.zero_one_adam` (detected by a
+``ZeroOneAdamState`` anywhere in the optimizer state), whose local steps make the parameters
+differ between devices: then they are per device, stacked ``(n, *shape)`` like per-device state.
+
+Train steps. :func:`make_train_step` (``shard_map`` over a mesh) and
+:func:`make_pmap_train_step` (``jax.pmap``) build a jitted step ``step(state, batch) ->
+(state, metrics)`` and its initial :class:`TrainState`. Both take the same *global* batch
+(every leaf's leading axis is split over the devices). The transformation receives each
+device's **local** gradients and does the communication (``jc.compressed_mean``,
+``jc.onebit_adam``, ``jc.zero_one_adam``, or your own); for exact data parallelism chain
+``jc.compressed_mean(axis, jc.NoCompression())`` in front of any optax optimizer. Under
+``shard_map`` the step takes gradients with respect to a device-varying copy of the
+parameters, so JAX inserts no implicit fp32 ``psum`` of the gradients (which it otherwise does
+for replicated inputs); a transformation that returns device-varying updates for replicated
+parameters is refused at trace time by ``check_vma`` instead of silently diverging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm._compat import ensure_varying
+from jaxcomm.collectives import ReduceState, ScatterState
+from jaxcomm.optimizers import LocalState, ZeroOneAdamState
+
+PyTree = Any
+
+#: Node types whose leaves are private to each device (partitioned on the data axis).
+PER_DEVICE_TYPES: tuple[type, ...] = (ReduceState, ScatterState, LocalState)
+
+#: Optimizer-state node types whose optimizer keeps parameters per device.
+PER_DEVICE_PARAMS_TYPES: tuple[type, ...] = (ZeroOneAdamState,)
+
+
+def register_per_device_type(cls: type, *, params_per_device: bool = False) -> None:
+    """Declare a NamedTuple type of your own whose leaves are per device (or whose presence
+    in an optimizer state means the parameters are per device)."""
+    global PER_DEVICE_TYPES, PER_DEVICE_PARAMS_TYPES
+    if params_per_device:
+        if cls not in PER_DEVICE_PARAMS_TYPES:
+            PER_DEVICE_PARAMS_TYPES = (*PER_DEVICE_PARAMS_TYPES, cls)
+    elif cls not in PER_DEVICE_TYPES:
+        PER_DEVICE_TYPES = (*PER_DEVICE_TYPES, cls)
+
+
+class TrainState(NamedTuple):
+    """Parameters and optimizer state of a data-parallel run (an ordinary pytree: checkpoint it
+    with orbax as it is)."""
+
+    params: PyTree
+    opt_state: PyTree
+
+
+def _is_per_device(node) -> bool:
+    return isinstance(node, PER_DEVICE_TYPES)
+
+
+def _map_by_kind(state: PyTree, per_device: Callable, replicated: Callable) -> PyTree:
+    """Apply ``per_device`` to leaves inside per-device nodes, ``replicated`` to all others."""
+
+    def visit(node):
+        if _is_per_device(node):
+            return jax.tree.map(per_device, node)
+        return replicated(node)
+
+    return jax.tree.map(visit, state, is_leaf=_is_per_device)
+
+
+def params_are_per_device(opt_state: PyTree) -> bool:
+    """Whether the optimizer behind ``opt_state`` keeps parameters per device (0/1 Adam)."""
+    found = []
+
+    def visit(node):
+        found.append(isinstance(node, PER_DEVICE_PARAMS_TYPES))
+        return node
+
+    jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, PER_DEVICE_PARAMS_TYPES))
+    return any(found)
+
+
+def state_partition_specs(state: PyTree, axis_name: str) -> PyTree:
+    """``PartitionSpec(axis_name)`` for every per-device leaf of ``state``, ``P()`` otherwise.
+
+    Works on any pytree (an optimizer state, a :class:`TrainState`, arrays or
+    ``ShapeDtypeStruct``s); the result has the structure of ``state`` with specs as leaves. For a
+    :class:`TrainState` use :func:`train_state_specs`, which also places the parameters.
+    """
+    return _map_by_kind(state, lambda _: P(axis_name), lambda _: P())
+
+
+def train_state_specs(state: TrainState, axis_name: str) -> TrainState:
+    """Specs of a :class:`TrainState`: parameters ``P(axis)`` for 0/1 Adam, else ``P()``."""
+    param_spec = P(axis_name) if params_are_per_device(state.opt_state) else P()
+    return TrainState(
+        params=jax.tree.map(lambda _: param_spec, state.params),
+        opt_state=state_partition_specs(state.opt_state, axis_name),
+    )
+
+
+def _rows(tree: PyTree, fn: Callable) -> PyTree:
+    """Apply ``fn`` to the per-device leaves (and per-device parameters of a TrainState)."""
+    if isinstance(tree, TrainState):
+        per_dev = params_are_per_device(tree.opt_state)
+        params = jax.tree.map(fn, tree.params) if per_dev else tree.params
+        return TrainState(params, _rows(tree.opt_state, fn))
+    return _map_by_kind(tree, fn, lambda x: x)
+
+
+def stack_per_device(local_state: PyTree, n: int) -> PyTree:
+    """Global layout from one device's state: per-device leaves repeated ``(n, *shape)``.
+
+    For a state built outside any mapped context (e.g. ``tx.init(params)`` with ``axis_size``),
+    before passing it to your own ``shard_map`` with :func:`state_partition_specs`.
+    """
+    return _rows(local_state, lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (n, *jnp.shape(x))))
+
+
+def local_view(state: PyTree) -> PyTree:
+    """Inside ``shard_map``: per-device leaves arrive as ``(1, *local)`` blocks; drop that axis."""
+    return _rows(state, lambda x: x[0])
+
+
+def global_view(state: PyTree) -> PyTree:
+    """Inverse of :func:`local_view`, before returning a state from the ``shard_map`` body."""
+    return _rows(state, lambda x: x[None])
+
+
+def init_opt_state(tx: optax.GradientTransformation, params: PyTree, axis_name: str, n: int):
+    """``tx.init(params)`` with ``axis_name`` bound to size ``n``, in the pmap layout.
+
+    The axis is bound with ``jax.vmap(axis_name=...)``, so transformations that read
+    ``lax.axis_size`` in ``init`` (all of jaxcomm's) size their error feedback for ``n``
+    devices. Every leaf of the result is stacked ``(n, ...)``.
+    """
+    return jax.vmap(lambda _: tx.init(params), axis_name=axis_name, axis_size=n)(
+        jnp.zeros((n,), jnp.int32)
+    )
+
+
+def from_pmap_layout(state: PyTree) -> PyTree:
+    """Every leaf stacked ``(n, ...)`` -> the global layout (replicated leaves: row 0).
+
+    Works on an optimizer state or a :class:`TrainState` (per-device parameters stay stacked).
+    """
+    if isinstance(state, TrainState):
+        per_dev = params_are_per_device(state.opt_state)
+        params = state.params if per_dev else jax.tree.map(lambda x: x[0], state.params)
+        return TrainState(params, from_pmap_layout(state.opt_state))
+    return _map_by_kind(state, lambda x: x, lambda x: x[0])
+
+
+def to_pmap_layout(state: PyTree, n: int) -> PyTree:
+    """Global layout -> every leaf stacked ``(n, ...)`` (replicated leaves broadcast)."""
+
+    def bcast(x):
+        x = jnp.asarray(x)
+        return jnp.broadcast_to(x[None], (n, *x.shape))
+
+    if isinstance(state, TrainState):
+        per_dev = params_are_per_device(state.opt_state)
+        params = state.params if per_dev else jax.tree.map(bcast, state.params)
+        return TrainState(params, to_pmap_layout(state.opt_state, n))
+    return _map_by_kind(state, lambda x: x, bcast)
+
+
+def params_of(state: TrainState, device: int = 0, *, pmap: bool = False) -> PyTree:
+    """One copy of the parameters (for evaluation, export): device ``device``'s copy where they
+    are per device or stacked (``pmap=True`` for a pmap-layout state)."""
+    if pmap or params_are_per_device(state.opt_state):
+        return jax.tree.map(lambda x: x[device], state.params)
+    return state.params
+
+
+def _split_batch_spec(axis_name: str, batch: PyTree) -> PyTree:
+    return jax.tree.map(lambda _: P(axis_name), batch)
+
+
+def _loss_and_grads(loss_fn, has_aux, params, batch):
+    out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
+    loss, aux = out if has_aux else (out, None)
+    return loss, aux, grads
+
+
+def _mean_metrics(loss, aux, axis_name: str, has_aux: bool):
+    loss = lax.pmean(loss, axis_name)
+    if not has_aux:
+        return loss
+    return loss, jax.tree.map(lambda x: lax.pmean(x, axis_name), aux)
+
+
+def _local_train_step(loss_fn, tx, axis_name, has_aux, state: TrainState, batch, varying: bool):
+    """One device's step: local grads -> ``tx`` (which communicates) -> new params."""
+    params = state.params
+    grad_params = (
+        jax.tree.map(lambda p: ensure_varying(p, axis_name), params) if varying else params
+    )
+    loss, aux, grads = _loss_and_grads(loss_fn, has_aux, grad_params, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    return TrainState(new_params, opt_state), _mean_metrics(loss, aux, axis_name, has_aux)
+
+
+def init_train_state(
+    mesh: Mesh, axis_name: str, tx: optax.GradientTransformation, params: PyTree
+) -> TrainState:
+    """The initial :class:`TrainState` of :func:`make_train_step`, placed on ``mesh``.
+
+    ``tx.init`` runs once, jitted, with ``axis_name`` bound to the mesh's size; every leaf is
+    created directly with its sharding (per-device leaves ``P(axis)``, the rest replicated).
+    The caller's ``params`` are copied, never aliased (the step donates its input).
+    """
+    if axis_name not in mesh.shape:
+        raise ValueError(
+            f"jaxcomm: axis {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}"
+        )
+    n = int(mesh.shape[axis_name])
+
+    def build(params):
+        opt_state = from_pmap_layout(init_opt_state(tx, params, axis_name, n))
+        if params_are_per_device(opt_state):
+            params = jax.tree.map(lambda p: jnp.broadcast_to(p[None], (n, *jnp.shape(p))), params)
+        else:
+            params = jax.tree.map(lambda p: jnp.array(p, copy=True), params)
+        return TrainState(params, opt_state)
+
+    abstract = jax.eval_shape(build, params)
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        train_state_specs(abstract, axis_name),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return jax.jit(build, out_shardings=shardings)(params)
+
+
+def make_train_step(
+    mesh: Mesh,
+    axis_name: str,
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    params: PyTree,
+    *,
+    has_aux: bool = False,
+    donate: bool = True,
+    check_vma: bool = True,
+) -> tuple[Callable, TrainState]:
+    """A jitted ``shard_map`` data-parallel train step and its initial state.
+
+    Args:
+      mesh: the device mesh; ``axis_name`` is its data-parallel axis (other axes, if any, see
+        the step replicated).
+      axis_name: the axis the batch is split over and ``tx`` communicates over.
+      loss_fn: ``loss_fn(params, local_batch) -> loss`` (or ``(loss, aux)`` with
+        ``has_aux=True``), the mean over the local batch.
+      tx: an optax transformation that takes local gradients and communicates, e.g.
+        ``optax.chain(jc.compressed_mean(axis_name), optax.adam(1e-3))`` or
+        ``jc.onebit_adam(1e-3, axis_name=axis_name)``. Its ``init`` is called with the axis
+        bound to the mesh's size.
+      params: one copy of the initial parameters.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` leaves are averaged over
+        devices.
+      donate: donate the input state's buffers to the step (do not reuse a state after passing
+        it to ``step``; copy it first, e.g. ``jax.tree.map(jnp.copy, state)``).
+      check_vma: passed to ``jax.shard_map``.
+
+    Returns:
+      ``(step, state)``: ``step(state, batch) -> (state, metrics)`` where ``batch`` is the
+      global batch (leading axis split over ``axis_name``) and ``metrics`` the mean loss over
+      devices (``(loss, aux)`` with ``has_aux``); ``state`` is the initial :class:`TrainState`
+      in the global layout (see the module docstring), placed on ``mesh``.
+      ``step`` is a ``jax.jit`` function: ``step.lower(state, batch).compile().as_text()``
+      gives the HLO for :mod:`jaxcomm.hlo`.
+    """
+    state = init_train_state(mesh, axis_name, tx, params)
+
+    def global_step(state: TrainState, batch):
+        specs = train_state_specs(state, axis_name)
+
+        def body(state, batch):
+            state, metrics = _local_train_step(
+                loss_fn, tx, axis_name, has_aux, local_view(state), batch, varying=True
+            )
+            return global_view(state), metrics
+
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(specs, _split_batch_spec(axis_name, batch)),
+            out_specs=(specs, P()),
+            check_vma=check_vma,
+        )
+        return mapped(state, batch)
+
+    step = jax.jit(global_step, donate_argnums=(0,) if donate else ())
+    return step, state
+
+
+def _owned(tree: PyTree) -> PyTree:
+    """Fresh copies, so that donating the train state never deletes the caller's arrays
+    (``device_put`` may alias its input even with ``may_alias=False``)."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def make_pmap_train_step(
+    axis_name: str,
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    params: PyTree,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    has_aux: bool = False,
+    donate: bool = True,
+) -> tuple[Callable, TrainState]:
+    """The ``jax.pmap`` variant of :func:`make_train_step`.
+
+    The state is in the pmap layout (every leaf stacked ``(n, ...)``; :func:`from_pmap_layout`
+    turns it into the global layout, e.g. to compare or checkpoint interchangeably).
+    ``step(state, batch)`` takes the same global batch as the ``shard_map`` step (split into
+    ``n`` equal parts on its leading axis) and returns ``(state, metrics)``, metrics unstacked.
+    ``step.pmapped`` is the underlying ``pmap`` function (batch already ``(n, b, ...)``).
+    """
+    devices = list(jax.local_devices() if devices is None else devices)
+    n = len(devices)
+    opt_state = jax.jit(init_opt_state, static_argnums=(0, 2, 3))(tx, params, axis_name, n)
+    stacked_params = jax.tree.map(lambda p: jnp.broadcast_to(p[None], (n, *jnp.shape(p))), params)
+    state = _owned(TrainState(stacked_params, opt_state))  # pmap places rows on first call
+
+    def body(state, batch):
+        return _local_train_step(loss_fn, tx, axis_name, has_aux, state, batch, varying=False)
+
+    pmapped = jax.pmap(
+        body,
+        axis_name=axis_name,
+        devices=devices,
+        out_axes=(0, None),
+        donate_argnums=(0,) if donate else (),
+    )
+
+    def step(state: TrainState, batch):
+        split = jax.tree.map(lambda x: jnp.reshape(x, (n, -1, *jnp.shape(x)[1:])), batch)
+        return pmapped(state, split)
+
+    step.pmapped = pmapped
+    return step, state
+
+
+__all__ = [
+    "PER_DEVICE_PARAMS_TYPES",
+    "PER_DEVICE_TYPES",
+    "TrainState",
+    "from_pmap_layout",
+    "global_view",
+    "init_opt_state",
+    "init_train_state",
+    "local_view",
+    "make_pmap_train_step",
+    "make_train_step",
+    "params_are_per_device",
+    "params_of",
+    "register_per_device_type",
+    "stack_per_device",
+    "state_partition_specs",
+    "to_pmap_layout",
+    "train_state_specs",
+]

@@ -24,7 +24,9 @@ axis_name=...)`` as :mod:`jaxcomm.parallel` does), else from ``jax.device_count(
 Dtypes. Moments and error feedback are fp32 whatever the parameter dtype; updates are returned
 in each parameter's dtype (bf16 parameters get bf16 updates). Learning rates accept optax
 schedules (evaluated at the step count, starting at 0) and ``optax.inject_hyperparams`` works;
-pass ``static_args=("bucket_bytes", "axis_size")`` to it when you set those to integers.
+pass ``static_args=("bucket_bytes", "axis_size")`` to it when you set those to integers, and
+``hyperparam_dtype=jnp.float32`` with bf16 parameters (optax otherwise stores the
+hyperparameters in the parameters' dtype, where ``b2 = 0.999`` rounds to 1.0).
 """
 
 from __future__ import annotations

@@ -60,9 +60,7 @@ def _plan(tree: PyTree, compressor: Compressor, bucket_bytes: int | None):
 def _bucket_state(compressor: Compressor, bucket: Bucket, axis_size: int, op: StateOp):
     if bucket.exact or bucket.numel == 0:
         return ()
-    if op == "all_reduce":
-        return compressor.init_all_reduce_state(bucket.numel, axis_size)
-    return compressor.init_reduce_scatter_state(bucket.shard_numel(axis_size), axis_size)
+    return compressor.init_bucket_state(bucket, axis_size, op)
 
 
 def init_state(
@@ -165,8 +163,8 @@ def _all_reduce(tree, state, *, axis_name, compressor, bucket_bytes, mean):
         elif bucket.numel == 0:
             reduced, dtypes = jnp.zeros((0,), flat.dtype), None
         else:
-            reduced, bucket_state = compressor.all_reduce(
-                flat, bucket_state, axis_name=axis_name, axis_size=axis_size, mean=mean
+            reduced, bucket_state = compressor.all_reduce_bucket(
+                flat, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size, mean=mean
             )
             dtypes = None
         for i, leaf in zip(
@@ -259,8 +257,8 @@ def _reduce_scatter(tree, state, *, axis_name, compressor, bucket_bytes, mean):
         elif bucket.numel == 0:
             row = rows[0]
         else:
-            row, bucket_state = compressor.reduce_scatter(
-                rows, bucket_state, axis_name=axis_name, axis_size=axis_size, mean=mean
+            row, bucket_state = compressor.reduce_scatter_bucket(
+                rows, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size, mean=mean
             )
         for i, shard, dtype in zip(
             bucket.leaf_ids, bucketing.split_shard(row, bucket, axis_size), dtypes, strict=True

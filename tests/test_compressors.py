@@ -395,3 +395,123 @@ def test_cast_rejects_other_dtypes():
         jc.Cast(jnp.int8)
     with pytest.raises(ValueError, match="Cast"):
         jc.Cast(jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# PowerSGD
+# --------------------------------------------------------------------------------------------
+
+PSGD_SHAPES = {"a": (24, 16), "b": (16,), "c": (8, 3, 10), "d": (3, 3)}  # b, d sent exactly
+
+
+def low_rank_trees(seed, steps, n=N):
+    """Gradients near rank 2 plus noise, so a rank-2 approximation is meaningful."""
+    rng = np.random.default_rng(seed)
+    base = {
+        k: rng.normal(size=(s[0], 2)) @ rng.normal(size=(2, int(np.prod(s[1:]))))
+        if len(s) >= 2
+        else rng.normal(size=s)
+        for k, s in PSGD_SHAPES.items()
+    }
+    return [
+        {
+            k: (base[k].reshape(s) + 0.1 * rng.normal(size=(n, *s))).astype(np.float32)
+            for k, s in PSGD_SHAPES.items()
+        }
+        for _ in range(steps)
+    ]
+
+
+def flat_tree(tree, n=N):
+    return np.concatenate([np.asarray(tree[k], np.float64).reshape(n, -1) for k in sorted(tree)], 1)
+
+
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_powersgd_matches_numpy_model(mesh, warm_start):
+    import powersgd_reference as pref
+
+    comp = jc.PowerSGD(rank=2, warm_start=warm_start, seed=3)
+    trees = low_rank_trees(900, 4)
+    outs, states = reduce_steps(mesh, trees, comp)
+    shapes = [PSGD_SHAPES[k] for k in sorted(PSGD_SHAPES)]
+    plan = pref.leaf_matrices(shapes, 2, 2.0)
+    assert [r for *_, r in plan] == [2, 0, 2, 0]
+
+    def drawn_qs(step):  # the documented shared draw: normal(fold_in(fold_in(key, t), leaf))
+        key = jax.random.fold_in(jax.random.PRNGKey(3), step)
+        return [
+            np.asarray(jax.random.normal(jax.random.fold_in(key, i), (cols, r)))
+            for i, (_, cols, r) in enumerate(plan)
+            if r
+        ]
+
+    model = pref.PowerSGDModel(N, shapes, 2, initial_qs=drawn_qs(0))
+    for t, (tree, out) in enumerate(zip(trees, outs, strict=True)):
+        expected = model.step(flat_tree(tree), qs=None if warm_start else drawn_qs(t))
+        got = np.concatenate([np.asarray(out[k]).reshape(-1) for k in sorted(out)])
+        np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-4)
+    # Error feedback: e = c - mean on every device (the model's errors are per device).
+    final = np.asarray(states[-1].buckets[0].error).reshape(N, -1)
+    np.testing.assert_allclose(final, model.errors, rtol=2e-4, atol=2e-4)
+
+
+def test_powersgd_exact_on_low_rank_data_and_psum(mesh):
+    """A rank-1 gradient shared by all devices is reproduced exactly by rank 1 (one step)."""
+    rng = np.random.default_rng(5)
+    g = np.outer(rng.normal(size=32), rng.normal(size=20)).astype(np.float32)
+    tree = {"w": np.stack([g] * N), "v": rng.normal(size=(N, 5)).astype(np.float32)}
+    (out,), _ = reduce_steps(mesh, [tree], jc.PowerSGD(rank=1), mean=False)
+    np.testing.assert_allclose(out["w"], N * g, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out["v"], tree["v"].sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_powersgd_hlo_two_small_all_reduces(mesh):
+    tree = {
+        "w": jax.ShapeDtypeStruct((512, 512), jnp.float32),
+        "b": jax.ShapeDtypeStruct((512,), jnp.float32),
+    }
+    text = pmean_hlo(mesh, tree, jc.PowerSGD(rank=4))
+    ops = collectives_in_hlo(text)
+    assert [o.op for o in ops] == ["all-reduce", "all-reduce"], [o.line for o in ops]
+    # P (512 x 4) + exact b (512), then Q (512 x 4): fp32.
+    assert sorted(o.payload_bytes for o in ops) == [4 * 512 * 4, 4 * (512 * 4 + 512)]
+    ratio = wire_bytes(exact_pmean_hlo(mesh, tree)) / wire_bytes(text)
+    assert ratio >= 50, ratio
+
+
+def test_powersgd_scatter_is_the_all_reduce_sliced(mesh):
+    comp = jc.PowerSGD(rank=2)
+    tree = low_rank_trees(950, 1)[0]
+    like = local(tree)
+    s_red = jc.init_state(comp, like, axis_size=N)
+    s_sc = jc.init_state(comp, like, axis_size=N, op="reduce_scatter")
+    np.testing.assert_array_equal(s_red.buckets[0].q, s_sc.buckets[0].q)
+
+    def body(t, s1, s2):
+        t = local(t)
+        full, _ = jc.compressed_pmean(t, s1, axis_name="dp", compressor=comp)
+        shards, _ = jc.compressed_pmean_scatter(t, s2, axis_name="dp", compressor=comp)
+        mine = jax.tree.map(
+            lambda x, sh: jnp.pad(x.reshape(-1), (0, N * sh.shape[0] - x.size)).reshape(N, -1)[
+                lax.axis_index("dp")
+            ],
+            full,
+            shards,
+        )
+        return shards, mine
+
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("dp"), P("dp"), P("dp")), out_specs=(P("dp"), P("dp"))
+        )
+    )
+    shards, mine = fn(tree, global_state(s_red), global_state(s_sc))
+    for k in shards:
+        np.testing.assert_allclose(shards[k], mine[k], rtol=1e-6, atol=1e-6)
+
+
+def test_powersgd_rejects_bad_config():
+    with pytest.raises(ValueError, match="rank"):
+        jc.PowerSGD(rank=0)
+    with pytest.raises(ValueError, match="min_compression_rate"):
+        jc.PowerSGD(min_compression_rate=0.5)

@@ -24,6 +24,8 @@ from jaxcomm.compressors import (
     Quantize,
     QuantizeScatterState,
     QuantizeState,
+    TopK,
+    TopKState,
     TwoStageScatterState,
     TwoStageState,
 )
@@ -73,6 +75,8 @@ __all__ = [
     "TwoStageState",
     "PowerSGD",
     "PowerSGDState",
+    "TopK",
+    "TopKState",
     "DistributedInfo",
     "ReduceState",
     "ScatterState",

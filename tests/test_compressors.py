@@ -515,3 +515,75 @@ def test_powersgd_rejects_bad_config():
         jc.PowerSGD(rank=0)
     with pytest.raises(ValueError, match="min_compression_rate"):
         jc.PowerSGD(min_compression_rate=0.5)
+
+
+# --------------------------------------------------------------------------------------------
+# TopK
+# --------------------------------------------------------------------------------------------
+
+
+def topk_model(bufs: np.ndarray, k: int):
+    """Per row: the k largest |v| (stable order), the residual with them zeroed, and the sum."""
+    rows = np.asarray(bufs, np.float64)
+    idx = np.argsort(-np.abs(rows), axis=-1, kind="stable")[..., :k]
+    sent = np.zeros_like(rows)
+    np.put_along_axis(sent, idx, np.take_along_axis(rows, idx, -1), -1)
+    return sent, rows - sent
+
+
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_topk_all_reduce_matches_numpy_model(mesh, error_feedback):
+    numel, frac = 700, 0.05
+    comp = jc.TopK(fraction=frac, error_feedback=error_feedback)
+    trees = [stacked(1000 + k, {"g": (numel,)}) for k in range(4)]
+    outs, states = reduce_steps(mesh, trees, comp)
+    k = int(np.ceil(frac * numel))
+    err = np.zeros((N, numel))
+    for t, (tree, out) in enumerate(zip(trees, outs, strict=True)):
+        sent, resid = topk_model(tree["g"] + err, k)
+        if error_feedback:
+            err = resid
+            got_err = np.asarray(states[t + 1].buckets[0].error).reshape(N, numel)
+            np.testing.assert_allclose(got_err, err, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(out["g"], sent.mean(0), rtol=1e-5, atol=1e-6)
+        assert np.count_nonzero(out["g"]) <= N * k
+
+
+def test_topk_reduce_scatter_matches_numpy_model(mesh):
+    comp = jc.TopK(fraction=0.25)
+    tree = stacked(1100, {"g": (8 * 12,)})
+    state = jc.init_state(comp, local(tree), axis_size=N, op="reduce_scatter")
+    fn = jax.jit(
+        jax.shard_map(
+            lambda t, s: jc.compressed_psum_scatter(local(t), s, axis_name="dp", compressor=comp),
+            mesh=mesh,
+            in_specs=(P("dp"), P("dp")),
+            out_specs=(P("dp"), P("dp")),
+        )
+    )
+    out, new = fn(tree, global_state(state))
+    rows = tree["g"].reshape(N, N, 12)  # [device, destination rank, C]
+    sent, resid = topk_model(rows, 3)
+    np.testing.assert_allclose(np.asarray(out["g"]).reshape(N, 12), sent.sum(0), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(new.buckets[0].error).reshape(N, N, 12), resid, rtol=1e-6, atol=1e-7
+    )
+
+
+def test_topk_hlo_pairs_and_cost_model(mesh):
+    numel, frac = 2**16, 0.01
+    tree = {"g": jax.ShapeDtypeStruct((numel,), jnp.float32)}
+    text = pmean_hlo(mesh, tree, jc.TopK(fraction=frac))
+    ops = collectives_in_hlo(text)
+    assert {o.op for o in ops} == {"all-gather"}
+    assert {d for o in ops for d in o.dtypes} == {"f32", "s32"}
+    k = int(np.ceil(frac * numel))
+    assert wire_bytes(text) == pytest.approx(8 * (N - 1) * k)  # the documented cost model
+    ratio = wire_bytes(exact_pmean_hlo(mesh, tree)) / wire_bytes(text)
+    assert ratio == pytest.approx(1 / (N * frac), rel=0.01)
+
+
+def test_topk_rejects_bad_fraction():
+    for bad in (0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="TopK"):
+            jc.TopK(fraction=bad)

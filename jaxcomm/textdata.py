@@ -2,20 +2,23 @@
 
 Used by the demo, the examples and the convergence benchmark: a character-level language model
 on about 465k characters of Python documentation, with a held-out split, and nothing to
-download. Characters outside printable ASCII map to one "unknown" id.
+download.
+
+The vocabulary is the characters that occur at least ``min_count`` times in the training split,
+plus id 0 for all others. Every embedding row then receives gradients regularly: a row that
+never does (an unused character) has zero Adam variance, and sign-compressed momentum puts
+``+-scale`` there, which 1-bit optimizers turn into ``scale / eps`` (DeepSpeed's 1-bit Adam
+asks users for a momentum mask in that case).
 """
 
 from __future__ import annotations
 
-import string
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-#: Printable ASCII plus the unknown id 0.
-VOCAB = "\0" + string.printable
-VOCAB_SIZE = len(VOCAB)
-_CHAR_TO_ID = {c: i for i, c in enumerate(VOCAB)}
+UNKNOWN = "\0"
 
 
 def load_corpus() -> str:
@@ -25,9 +28,17 @@ def load_corpus() -> str:
     return "\n".join(topics[key] for key in sorted(topics))
 
 
-def encode(text: str) -> np.ndarray:
-    """Character ids (int32); unknown characters become 0."""
-    return np.fromiter((_CHAR_TO_ID.get(c, 0) for c in text), dtype=np.int32, count=len(text))
+def build_vocab(text: str, min_count: int = 20) -> str:
+    """``UNKNOWN`` then the characters of ``text`` seen at least ``min_count`` times, sorted."""
+    counts = Counter(text)
+    frequent = (c for c, k in counts.items() if k >= min_count and c != UNKNOWN)
+    return UNKNOWN + "".join(sorted(frequent))
+
+
+def encode(text: str, vocab: str) -> np.ndarray:
+    """Character ids (int32) in ``vocab``; characters not in it become 0."""
+    ids = {c: i for i, c in enumerate(vocab)}
+    return np.fromiter((ids.get(c, 0) for c in text), dtype=np.int32, count=len(text))
 
 
 @dataclass(frozen=True)
@@ -36,19 +47,29 @@ class CharBatches:
 
     Attributes:
       context: characters seen before the one to predict.
+      vocab: the characters of each id (id 0: any other character).
       train: encoded training text (the first ``1 - holdout`` of the corpus).
       test: encoded held-out text (the rest).
     """
 
     context: int
+    vocab: str
     train: np.ndarray
     test: np.ndarray
 
     @classmethod
-    def from_corpus(cls, context: int = 32, holdout: float = 0.1) -> CharBatches:
-        ids = encode(load_corpus())
-        cut = int(len(ids) * (1 - holdout))
-        return cls(context=context, train=ids[:cut], test=ids[cut:])
+    def from_corpus(
+        cls, context: int = 32, holdout: float = 0.1, min_count: int = 20
+    ) -> CharBatches:
+        text = load_corpus()
+        cut = int(len(text) * (1 - holdout))
+        vocab = build_vocab(text[:cut], min_count)
+        ids = encode(text, vocab)
+        return cls(context=context, vocab=vocab, train=ids[:cut], test=ids[cut:])
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
 
     def _windows(self, ids: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         offsets = np.arange(self.context)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from jaxcomm.textdata import VOCAB, CharBatches, encode, load_corpus
+from jaxcomm.textdata import CharBatches, build_vocab, encode, load_corpus
 
 
 def test_windows_predict_the_next_character():
@@ -12,20 +12,26 @@ def test_windows_predict_the_next_character():
     inputs, targets = batches.sample(np.random.default_rng(0), (3, 5))
     assert inputs.shape == (3, 5, 16) and targets.shape == (3, 5)
     # Every window is a contiguous slice of the training text followed by its target.
-    train_text = "".join(VOCAB[i] for i in batches.train)
+    vocab = batches.vocab
+    train_text = "".join(vocab[i] for i in batches.train)
     for window, target in zip(inputs.reshape(-1, 16), targets.reshape(-1), strict=True):
-        chunk = "".join(VOCAB[i] for i in window) + VOCAB[target]
+        chunk = "".join(vocab[i] for i in window) + vocab[target]
         assert chunk in train_text
 
 
-def test_encode_is_invertible_on_ascii_and_marks_unknowns():
-    ids = encode("def f(x):\n\treturn x")
-    assert "".join(VOCAB[i] for i in ids) == "def f(x):\n\treturn x"
-    assert list(encode("é")) == [0]
+def test_vocab_keeps_frequent_characters_and_encode_marks_the_rest():
+    vocab = build_vocab("aaabbc" * 10 + "z", min_count=10)
+    assert vocab == "\0abc"
+    ids = encode("cabz", vocab)
+    assert list(ids) == [3, 1, 2, 0]
+    # Every id of the real corpus's training split occurs in it (no never-trained row).
+    batches = CharBatches.from_corpus()
+    counts = np.bincount(batches.train, minlength=batches.vocab_size)
+    assert counts.min() > 0
 
 
 def test_held_out_is_fixed_and_disjoint_from_training():
     batches = CharBatches.from_corpus(context=8)
     a, b = batches.held_out(64), batches.held_out(64)
     np.testing.assert_array_equal(a[0], b[0])
-    assert a[0].max() < len(VOCAB)
+    assert a[0].max() < batches.vocab_size

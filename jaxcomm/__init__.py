@@ -30,6 +30,12 @@ from jaxcomm.compressors import (
     TwoStageState,
 )
 from jaxcomm.distributed import DistributedInfo, init_distributed
+from jaxcomm.hierarchical import (
+    hierarchical_pmean,
+    hierarchical_psum,
+    init_hierarchical_state,
+    wire_bytes_by_axes,
+)
 from jaxcomm.hlo import CommsReport, comms_report
 from jaxcomm.optimizers import (
     CompressedMeanState,
@@ -77,6 +83,10 @@ __all__ = [
     "PowerSGDState",
     "TopK",
     "TopKState",
+    "hierarchical_pmean",
+    "hierarchical_psum",
+    "init_hierarchical_state",
+    "wire_bytes_by_axes",
     "DistributedInfo",
     "ReduceState",
     "ScatterState",

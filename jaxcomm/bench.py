@@ -458,14 +458,11 @@ def _multi_process(
     timeout: float,
     echo: bool,
 ) -> list[BenchRow]:
-    from jaxcomm.launch import LaunchError, launch_local, network_shaping_problem
+    from jaxcomm.launch import LaunchError, delay_options, launch_local
 
     if procs < 2:
         raise ValueError("jaxcomm bench: --procs must be >= 2")
-    if rate or delay:
-        problem = network_shaping_problem(rate, delay)
-        if problem:
-            raise RuntimeError(f"jaxcomm bench: cannot shape the network here: {problem}")
+    shaping, _ = delay_options(delay, rate)
     with tempfile.TemporaryDirectory(prefix="jaxcomm-bench-") as out:
         argv = [sys.executable, "-m", "jaxcomm.bench", "--worker", out, json.dumps(asdict(config))]
         xla_flags = " ".join(
@@ -478,9 +475,8 @@ def _multi_process(
             argv,
             env={"JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags},
             timeout=timeout,
-            netns_rate=rate,
-            netns_delay=delay,
             echo=echo,
+            **shaping,
         )
         if not result.ok:
             raise LaunchError(result)

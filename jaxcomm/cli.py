@@ -117,13 +117,12 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(f"jaxcomm bench: {e}" if not str(e).startswith("jaxcomm") else e, file=sys.stderr)
         return 2
     n = rows[0].devices if rows else 0
-    where = (
-        f"{args.procs} processes (gloo)"
-        + (f", loopback rate {args.rate}" if args.rate else "")
-        + (f", delay {args.delay}" if args.delay else "")
-        if args.procs
-        else f"{n} devices in one process"
-    )
+    if args.procs:
+        from jaxcomm.launch import delay_options
+
+        where = f"{args.procs} processes (gloo), {delay_options(args.delay, args.rate)[1]}"
+    else:
+        where = f"{n} devices in one process"
     title = (
         f"jaxcomm bench: {where}; median of {config.repeats}; algbw = S/t (effective), "
         "busbw per ds_bench, wire = bytes per device from HLO"
@@ -154,8 +153,10 @@ LOCAL_RANK and LOCAL_WORLD_SIZE, so `jc.init_distributed()` needs no arguments. 
 are prefixed with "[rank r]". If a rank exits non-zero, the others are stopped (SIGTERM, then
 SIGKILL) and the launcher exits with that rank's code, naming it; Ctrl-C stops all ranks.
 
---rate/--delay (root only) run all ranks in one private network namespace whose loopback is
-shaped by tc (tbf rate, netem delay).
+--rate (root) runs all ranks in one private network namespace whose loopback is shaped by
+tc tbf. --delay uses tc netem there when the kernel has it; otherwise (containers, gVisor)
+the ranks' TCP connections go through a userspace relay that delivers every byte that much
+later in each direction (needs a C compiler once for its connect() shim; no root).
 
 Multi-node: do not use this launcher; start one process per host with your scheduler and let
 jc.init_distributed() read its environment: torchrun/DeepSpeed (MASTER_ADDR, MASTER_PORT,
@@ -174,7 +175,11 @@ def _add_launch(sub) -> None:
     )
     p.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
     p.add_argument("--rate", default=None, help="shape the loopback to this tc rate (root)")
-    p.add_argument("--delay", default=None, help="one-way loopback delay via tc netem (root)")
+    p.add_argument(
+        "--delay",
+        default=None,
+        help="one-way delay between ranks, e.g. 1ms: tc netem (root), else a userspace relay",
+    )
     p.add_argument("--port", type=int, default=None, help="coordinator port (a free one)")
     p.add_argument("--timeout", type=float, default=None, help="kill all ranks after T seconds")
     p.add_argument("--kill-grace", type=float, default=2.0, help="SIGTERM-to-SIGKILL seconds")
@@ -211,19 +216,18 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    from jaxcomm.launch import launch_local, network_shaping_problem
+    from jaxcomm.launch import delay_options, launch_local
 
     try:
         argv = _rank_argv(args)
         if args.nprocs < 1:
             raise ValueError(f"-n must be >= 1, got {args.nprocs}")
-        if args.rate or args.delay:
-            problem = network_shaping_problem(args.rate, args.delay)
-            if problem:
-                raise ValueError(f"cannot shape the network: {problem}")
-    except ValueError as e:
+        shaping, label = delay_options(args.delay, args.rate)
+    except (ValueError, RuntimeError) as e:
         print(f"jaxcomm launch: {e}", file=sys.stderr)
         return 2
+    if args.rate or args.delay:
+        print(f"jaxcomm launch: {args.nprocs} ranks, {label}", file=sys.stderr)
     try:
         with _sigterm_as_interrupt():
             result = launch_local(
@@ -231,10 +235,9 @@ def _run_launch(args: argparse.Namespace) -> int:
                 argv,
                 port=args.port,
                 timeout=args.timeout,
-                netns_rate=args.rate,
-                netns_delay=args.delay,
                 echo=sys.stdout,
                 kill_grace=args.kill_grace,
+                **shaping,
             )
     except KeyboardInterrupt:
         print("jaxcomm launch: interrupted; all ranks stopped", file=sys.stderr)
@@ -250,7 +253,28 @@ def _run_launch(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------------------------
 
-_COMMANDS: tuple[Callable, ...] = (_add_bench, _add_launch)
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="train a Flax NNX model data-parallel with each 1-bit optimizer and compare",
+        description="Train a char-level LM (Python's bundled docs) data-parallel on simulated "
+        "CPU devices with exact Adam, compressed_mean + Adam, 1-bit Adam and 0/1 Adam; print "
+        "loss, accuracy and bytes on the wire (HLO), and plot loss against steps and bytes.",
+    )
+
+    def run(args):
+        from jaxcomm import demo  # flax, rich and matplotlib: the `examples` extra
+
+        return demo.main_from_args(args)
+
+    from jaxcomm.demo import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+_COMMANDS: tuple[Callable, ...] = (_add_bench, _add_launch, _add_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,6 +40,7 @@ __all__ = [
     "LaunchError",
     "LaunchResult",
     "can_shape_network",
+    "delay_options",
     "find_free_port",
     "launch_local",
     "network_shaping_problem",
@@ -291,6 +292,36 @@ def shaped_network(
                 stream.close()
 
 
+def delay_options(delay: str | None, rate: str | None = None) -> tuple[dict[str, str | None], str]:
+    """:func:`launch_local` keyword arguments for a link ``delay`` (and ``rate``), and a label.
+
+    ``tc netem`` where it works (root, ``sch_netem``), else the userspace relay of
+    :mod:`jaxcomm._delay`. A ``rate`` always needs ``tc tbf`` (root).
+
+    Raises:
+      RuntimeError: neither way works here, or the rate cannot be shaped.
+    """
+    opts: dict[str, str | None] = {"netns_rate": rate, "netns_delay": None, "relay_delay": None}
+    if rate and network_shaping_problem(rate):
+        raise RuntimeError(f"cannot shape the rate: {network_shaping_problem(rate)}")
+    labels = [f"rate {rate} (tc tbf)"] if rate else []
+    if delay:
+        netem = network_shaping_problem(rate, delay)
+        if netem is None:
+            opts["netns_delay"] = delay
+            labels.append(f"delay {delay} one way (tc netem)")
+        else:
+            from jaxcomm._delay import parse_delay, shim_problem
+
+            parse_delay(delay)  # a clear ValueError for a bad value
+            relay = shim_problem()
+            if relay:
+                raise RuntimeError(f"cannot add a delay: netem: {netem}; relay: {relay}")
+            opts["relay_delay"] = delay
+            labels.append(f"delay {delay} one way (userspace TCP relay; netem unavailable)")
+    return opts, ", ".join(labels) or "unshaped loopback"
+
+
 # --------------------------------------------------------------------------------------------
 # Launcher.
 # --------------------------------------------------------------------------------------------
@@ -345,6 +376,7 @@ def launch_local(
     netns_rate: str | None = None,
     netns_delay: str | None = None,
     netns_burst: str = "256kb",
+    relay_delay: str | None = None,
     cwd: str | os.PathLike[str] | None = None,
     echo: bool | TextIO = False,
     kill_grace: float = 2.0,
@@ -362,6 +394,11 @@ def launch_local(
     With ``netns_rate`` or ``netns_delay``, all ranks run inside one private network namespace
     (see :func:`shaped_network`) where only the shaped loopback exists.
 
+    With ``relay_delay``, the ranks' TCP connections (all but the coordinator's) go through a
+    userspace relay that forwards every byte ``relay_delay`` later, in both directions
+    (:mod:`jaxcomm._delay`): a link delay where ``netem`` is unavailable, needing no root. It
+    combines with ``netns_rate`` (the relay then runs inside the namespace).
+
     Args:
       num_processes: Number of ranks.
       argv: Command to run for every rank, e.g. ``[sys.executable, "worker.py", out_dir]``.
@@ -371,6 +408,7 @@ def launch_local(
       netns_rate: Loopback rate for ``tc tbf``, e.g. ``"1gbit"``.
       netns_delay: One-way loopback delay for ``tc netem``, e.g. ``"500us"``.
       netns_burst: ``tbf`` bucket size.
+      relay_delay: One-way delay added by the userspace relay, e.g. ``"1ms"``.
       cwd: Working directory of the ranks.
       echo: Also write prefixed lines as they arrive: ``True`` for ``sys.stderr``, or a stream.
       kill_grace: Seconds between SIGTERM and SIGKILL when tearing down.
@@ -391,6 +429,13 @@ def launch_local(
         prefix: list[str] = []
         if netns_rate or netns_delay:
             prefix = stack.enter_context(shaped_network(netns_rate, netns_delay, netns_burst))
+        if relay_delay:
+            from jaxcomm._delay import delay_relay
+
+            relay_env = stack.enter_context(
+                delay_relay(relay_delay, skip_ports=(port,), prefix=prefix)
+            )
+            base_env = {**base_env, **relay_env}
         return _run_ranks(
             num_processes,
             [*prefix, *argv],

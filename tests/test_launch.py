@@ -155,8 +155,88 @@ def test_launch_usage_errors(tmp_path):
     assert proc.returncode == 2 and "name a script" in proc.stderr
     proc = _launch("-n", "0", "x.py")
     assert proc.returncode == 2 and "-n must be >= 1" in proc.stderr
-    problem = network_shaping_problem(None, "1ms")
-    if problem is None:
-        pytest.skip("netem works here: --delay is usable")
-    proc = _launch("-n", "2", "--delay", "1ms", "x.py")
-    assert proc.returncode == 2 and "cannot shape the network" in proc.stderr
+    proc = _launch("-n", "2", "--delay", "1parsec", "x.py")
+    assert proc.returncode == 2 and "1parsec" in proc.stderr
+
+
+_PING = """import os, socket, statistics, sys, time
+from pathlib import Path
+rank, port_file = os.environ["RANK"], Path(sys.argv[1])
+if rank == "0":
+    srv = socket.create_server(("127.0.0.1", 0))
+    port_file.write_text(str(srv.getsockname()[1]))
+    conn, _ = srv.accept()
+    while data := conn.recv(64):
+        conn.sendall(data)
+else:
+    while not port_file.exists() or not port_file.read_text():
+        time.sleep(0.01)
+    s = socket.create_connection(("127.0.0.1", int(port_file.read_text())))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        s.sendall(b"x")
+        s.recv(1)
+        rtts.append(time.perf_counter() - t0)
+    print(f"rtt_ms {1e3 * statistics.median(rtts):.3f}")
+"""
+
+
+def _median_rtt_ms(tmp_path, name, *launch_args):
+    script = tmp_path / "ping.py"
+    script.write_text(_PING)
+    proc = _launch("-n", "2", *launch_args, str(script), str(tmp_path / name))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stdout.splitlines() if "rtt_ms" in ln]
+    return float(line.split()[-1]), proc.stderr
+
+
+def test_launch_delay_applies_to_connections_between_ranks(tmp_path):
+    """--delay 2ms: a TCP ping-pong between ranks takes >= 2 x 2 ms (netem or the relay)."""
+    from jaxcomm._delay import shim_problem
+
+    if network_shaping_problem(None, "2ms") is not None and shim_problem() is not None:
+        pytest.skip(f"no way to add a delay here: {shim_problem()}")
+    plain, _ = _median_rtt_ms(tmp_path, "plain")
+    delayed, err = _median_rtt_ms(tmp_path, "delayed", "--delay", "2ms")
+    assert "delay 2ms one way" in err
+    assert 4.0 <= delayed < 4.0 + 20, delayed
+    assert plain < delayed
+
+
+def test_parse_delay():
+    from jaxcomm._delay import parse_delay
+
+    assert parse_delay("1ms") == 1e-3
+    assert parse_delay("500us") == 5e-4
+    assert parse_delay(" 0.25 s") == 0.25
+    for bad in ("1", "1parsec", "ms", "-1ms"):
+        with pytest.raises(ValueError, match="cannot read delay"):
+            parse_delay(bad)
+
+
+def test_relay_refuses_like_a_closed_port():
+    """Through the relay, connecting to a port nobody listens on fails as it would directly."""
+    from jaxcomm._delay import delay_relay, shim_problem
+    from jaxcomm.launch import find_free_port
+
+    if shim_problem():
+        pytest.skip(shim_problem())
+    code = (
+        "import socket, sys\n"
+        "try:\n"
+        "    socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=10)\n"
+        "except ConnectionRefusedError:\n"
+        "    print('refused')\n"
+    )
+    port = find_free_port()
+    with delay_relay("1ms") as env:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(port)],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.stdout.strip() == "refused", proc.stderr

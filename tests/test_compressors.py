@@ -587,3 +587,54 @@ def test_topk_rejects_bad_fraction():
     for bad in (0, -0.1, 1.5):
         with pytest.raises(ValueError, match="TopK"):
             jc.TopK(fraction=bad)
+
+
+# --------------------------------------------------------------------------------------------
+# Every compressor: pmap, check_vma=False and non-finite input
+# --------------------------------------------------------------------------------------------
+
+FAMILY = [
+    jc.Quantize(bits=4, block_size=32, error_feedback=True),
+    jc.Cast(jnp.float16, error_feedback=True),
+    jc.TopK(fraction=0.1),
+    jc.PowerSGD(rank=2),
+]
+
+
+@pytest.mark.parametrize("comp", FAMILY, ids=lambda c: type(c).__name__)
+def test_family_pmap_and_unchecked_shard_map_match_shard_map(mesh, comp):
+    tree = stacked(1200, {"w": (16, 12), "b": (5,)})
+    state = jc.init_state(comp, local(tree), axis_size=N)
+    (want,), (_, want_state) = reduce_steps(mesh, [tree], comp)
+    step = jax.pmap(
+        lambda t, s: jc.compressed_pmean(t, s, axis_name="i", compressor=comp), axis_name="i"
+    )
+    out, new_state = step(tree, jax.tree.map(lambda s: jnp.stack([s] * N), state))
+    unchecked = jax.jit(
+        jax.shard_map(
+            lambda t, s: jc.compressed_pmean(local(t), s, axis_name="dp", compressor=comp),
+            mesh=mesh,
+            in_specs=(P("dp"), P("dp")),
+            out_specs=(P(), P("dp")),
+            check_vma=False,
+        )
+    )
+    out2, _ = unchecked(tree, global_state(state))
+    for k in tree:
+        for d in range(N):
+            np.testing.assert_allclose(out[k][d], want[k], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out2[k], want[k], rtol=1e-5, atol=1e-6)
+    for got, ref in zip(
+        jax.tree.leaves(new_state), jax.tree.leaves(want_state), strict=True
+    ):  # pmap stacks per-device states; shard_map concatenates them
+        np.testing.assert_allclose(
+            np.asarray(got).reshape(-1), np.asarray(ref).reshape(-1), rtol=1e-5, atol=1e-6
+        )
+
+
+@pytest.mark.parametrize("comp", FAMILY, ids=lambda c: type(c).__name__)
+def test_family_nonfinite_input_gives_nonfinite_output(mesh, comp):
+    tree = stacked(1300, {"w": (16, 12)})
+    tree["w"][2, 3, 4] = np.nan
+    (out,), _ = reduce_steps(mesh, [tree], comp)
+    assert not np.all(np.isfinite(out["w"]))

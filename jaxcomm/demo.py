@@ -1,0 +1,424 @@
+"""``jaxcomm demo``: train one Flax NNX model data-parallel with each optimizer and compare.
+
+A character-level language model (:mod:`jaxcomm.textdata`, Python's bundled documentation, no
+download) is trained on every device of a mesh (8 simulated CPU devices by default) with:
+
+* ``adam``: exact ``pmean`` of the gradients, then Adam (the baseline);
+* ``compressed_mean``: ``jc.compressed_mean`` (1-bit with error feedback, exact warm-up), then Adam;
+* ``onebit_adam``: DeepSpeed's 1-bit Adam (exact warm-up, then 1-bit momentum);
+* ``zero_one_adam``: 0/1 Adam (variance updates at doubling intervals, then local steps);
+* ``onebit_lamb``: 1-bit LAMB, when jaxcomm provides it.
+
+Bytes on the wire. Each optimizer's step is one of three kinds: an *exact* step (fp32 mean of
+a parameter-shaped tree), a *1-bit* step (``OneBit`` mean of such a tree) or a *local* step
+(no communication). The bytes per device of the first two are read from the compiled HLO of
+those collectives on this mesh (:mod:`jaxcomm.hlo`); each optimizer's kind of every step is
+read from its state's counters, so the totals follow what the run actually did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+EXACT, ONEBIT, LOCAL = "exact", "1-bit", "local"
+RATES_GBIT = (1, 10, 100)
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Sizes and schedules of the demo (defaults: about a minute per optimizer on 2 cores)."""
+
+    steps: int = 1500
+    devices: int = 8
+    batch_per_device: int = 32
+    context: int = 32
+    embed: int = 32
+    hidden: int = 256
+    learning_rate: float = 1e-3
+    warmup_fraction: float = 0.15
+    #: None: one bucket (one 1-bit scale) for the whole model; 1: one per parameter (DeepSpeed).
+    bucket_bytes: int | None = 1
+    #: 0/1 Adam: variance updates per doubling of their interval; frozen-stage steps per doubling
+    #: of the sync interval (DeepSpeed: 16 and 32678, for runs of 100k+ steps).
+    var_update_scaler: int = 16
+    local_step_scaler: int = 8
+    eval_every: int = 50
+    seed: int = 0
+    methods: tuple[str, ...] = ("adam", "compressed_mean", "onebit_adam", "zero_one_adam")
+
+    @property
+    def warmup_steps(self) -> int:
+        return max(1, int(round(self.warmup_fraction * self.steps)))
+
+
+@dataclass
+class RunResult:
+    """One optimizer's run."""
+
+    method: str
+    losses: list[float] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    #: communication after the last step (0/1 Adam: the final parameter average)
+    final_kinds: list[str] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_losses: list[float] = field(default_factory=list)
+    final_eval_loss: float = math.nan
+    final_accuracy: float = math.nan
+    seconds: float = 0.0
+
+
+def make_model(cfg: DemoConfig, vocab_size: int):
+    """A small MLP over embedded context characters (Flax NNX)."""
+    from flax import nnx
+
+    class CharMLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(vocab_size, cfg.embed, rngs=rngs)
+            self.hidden1 = nnx.Linear(cfg.context * cfg.embed, cfg.hidden, rngs=rngs)
+            self.hidden2 = nnx.Linear(cfg.hidden, cfg.hidden, rngs=rngs)
+            self.out = nnx.Linear(cfg.hidden, vocab_size, rngs=rngs)
+
+        def __call__(self, ids):
+            h = self.embed(ids).reshape(*ids.shape[:-1], -1)
+            h = nnx.gelu(self.hidden1(h))
+            h = nnx.gelu(self.hidden2(h))
+            return self.out(h)
+
+    return CharMLP(nnx.Rngs(cfg.seed))
+
+
+def _optimizer(method: str, cfg: DemoConfig, axis: str):
+    """``(transformation, kind_of_step(opt_state) -> EXACT | ONEBIT | LOCAL)`` for a method."""
+    import optax
+
+    import jaxcomm as jc
+
+    lr, warm, bb = cfg.learning_rate, cfg.warmup_steps, cfg.bucket_bytes
+    if method == "adam":
+        tx = optax.chain(
+            jc.compressed_mean(axis, compressor=jc.NoCompression(), bucket_bytes=bb),
+            optax.adam(lr),
+        )
+        return tx, lambda s: EXACT
+    if method == "compressed_mean":
+        tx = optax.chain(
+            jc.compressed_mean(axis, bucket_bytes=bb, warmup_steps=warm), optax.adam(lr)
+        )
+        return tx, lambda s: EXACT if int(s[0].count) < warm else ONEBIT
+    if method == "onebit_adam":
+        tx = jc.onebit_adam(lr, freeze_step=warm, axis_name=axis, bucket_bytes=bb)
+        return tx, lambda s: EXACT if int(s.count) < warm else ONEBIT
+    if method == "zero_one_adam":
+        # DeepSpeed's schedule scaled down to a short run: variance updates at intervals that
+        # double every var_update_scaler updates until the freeze, then local steps whose sync
+        # interval doubles every local_step_scaler steps up to 16.
+        tx = jc.zero_one_adam(
+            lr,
+            var_freeze_step=warm,
+            var_update_scaler=cfg.var_update_scaler,
+            local_step_scaler=cfg.local_step_scaler,
+            local_step_clipper=16,
+            axis_name=axis,
+            bucket_bytes=bb,
+        )
+
+        def kind(s) -> str:
+            t = int(s.count) + 1
+            if t <= warm:
+                return EXACT if t % int(s.var_interval) == 0 else ONEBIT
+            return ONEBIT if t % int(s.local_interval) == 0 else LOCAL
+
+        return tx, kind
+    if method == "onebit_lamb":
+        if not hasattr(jc, "onebit_lamb"):
+            raise SystemExit("jaxcomm demo: this jaxcomm has no onebit_lamb yet")
+        tx = jc.onebit_lamb(lr, freeze_step=warm, axis_name=axis, bucket_bytes=bb)
+        return tx, lambda s: EXACT if int(s.count) < warm else ONEBIT
+    raise SystemExit(f"jaxcomm demo: unknown method {method!r}")
+
+
+def wire_bytes_per_kind(mesh, axis: str, params, bucket_bytes: int | None) -> dict[str, float]:
+    """Bytes per device of an exact and of a 1-bit mean of a parameter-shaped tree (HLO)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm as jc
+    from jaxcomm.hlo import wire_bytes
+
+    n = mesh.shape[axis]
+    tree = jax.tree.map(lambda p: jax.ShapeDtypeStruct((n, *p.shape), jnp.float32), params)
+    out = {LOCAL: 0.0}
+    for kind, comp in ((EXACT, jc.NoCompression()), (ONEBIT, jc.OneBit())):
+        local = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
+        state = jc.init_state(comp, local, axis_size=n, bucket_bytes=bucket_bytes)
+        g_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), state)
+
+        def body(t, s, comp=comp):
+            t, s = jax.tree.map(lambda x: x[0], (t, s))
+            out, s = jc.compressed_pmean(
+                t, s, axis_name=axis, compressor=comp, bucket_bytes=bucket_bytes
+            )
+            return out, jax.tree.map(lambda x: x[None], s)
+
+        fn = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P(axis)))
+        )
+        out[kind] = wire_bytes(fn.lower(tree, g_state).compile().as_text())
+    return out
+
+
+def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], None] | None = None):
+    """Train one model with ``method``; returns a :class:`RunResult`."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxcomm import parallel
+
+    axis = mesh.axis_names[0]
+    n = mesh.shape[axis]
+    graphdef, params = nnx.split(make_model(cfg, data.vocab_size), nnx.Param)
+
+    def loss_fn(params, batch):
+        inputs, targets = batch
+        logits = nnx.merge(graphdef, params)(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    tx, kind_of = _optimizer(method, cfg, axis)
+    step, state = parallel.make_train_step(mesh, axis, loss_fn, tx, params)
+    held_inputs, held_targets = data.held_out(2048)
+
+    @jax.jit
+    def evaluate(params):
+        logits = nnx.merge(graphdef, params)(held_inputs)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, held_targets).mean()
+        return loss, jnp.mean(jnp.argmax(logits, -1) == held_targets)
+
+    per_device = parallel.params_are_per_device(state.opt_state)
+
+    def consensus(state):
+        # 0/1 Adam's devices drift apart between synchronisations; what the run has learned is
+        # their average (one exact all-reduce, counted in the traffic), not device 0's copy.
+        if per_device:
+            return jax.tree.map(lambda p: jnp.mean(p, axis=0), state.params)
+        return state.params
+
+    rng = np.random.default_rng(cfg.seed + 1)  # the same batches for every method
+    result = RunResult(method)
+    start = time.perf_counter()
+    for i in range(cfg.steps):
+        inputs, targets = data.sample(rng, (n * cfg.batch_per_device,))
+        result.kinds.append(kind_of(state.opt_state))
+        state, loss = step(state, (inputs, targets))
+        result.losses.append(float(loss))
+        if (i + 1) % cfg.eval_every == 0 or i + 1 == cfg.steps:
+            eval_loss, accuracy = evaluate(consensus(state))
+            result.eval_steps.append(i + 1)
+            result.eval_losses.append(float(eval_loss))
+        if progress is not None:
+            progress(1)
+    result.seconds = time.perf_counter() - start
+    if per_device:
+        result.final_kinds.append(EXACT)
+    result.final_eval_loss = result.eval_losses[-1]
+    result.final_accuracy = float(accuracy)
+    return result
+
+
+def summarize(results: list[RunResult], bytes_per_kind: dict[str, float]) -> list[dict[str, Any]]:
+    """Rows of the final table: losses, accuracy, traffic and its ratio to the baseline."""
+    rows = []
+    base = None
+    for r in results:
+        total = sum(bytes_per_kind[k] for k in r.kinds + r.final_kinds)
+        row = dict(
+            method=r.method,
+            eval_loss=r.final_eval_loss,
+            train_loss=float(np.mean(r.losses[-max(1, len(r.losses) // 10) :])),
+            accuracy=r.final_accuracy,
+            bytes_per_step=total / len(r.kinds),  # the final average is spread over the run
+            total_bytes=total,
+            steps={k: r.kinds.count(k) for k in (EXACT, ONEBIT, LOCAL)},
+            seconds=r.seconds,
+        )
+        for rate in RATES_GBIT:
+            row[f"comm_s_{rate}gbit"] = total * 8 / (rate * 1e9)
+        if base is None and r.method == "adam":
+            base = row
+        rows.append(row)
+    for row in rows:
+        if base is not None:
+            row["traffic_ratio"] = base["total_bytes"] / max(row["total_bytes"], 1.0)
+            row["loss_vs_adam"] = row["eval_loss"] / base["eval_loss"] - 1.0
+    return rows
+
+
+def _print_table(rows: list[dict[str, Any]], bytes_per_kind: dict[str, float], n: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"jaxcomm demo: char-level LM, {n} devices, data parallel")
+    for col in ("method", "held-out loss", "vs adam", "accuracy", "bytes/step", "total bytes",
+                "vs adam", "comm @1G", "@10G", "@100G", "steps exact/1-bit/local"):
+        table.add_column(col, justify="right" if col != "method" else "left")
+    for row in rows:
+        steps = row["steps"]
+        table.add_row(
+            row["method"],
+            f"{row['eval_loss']:.4f}",
+            f"{100 * row.get('loss_vs_adam', 0):+.2f}%",
+            f"{100 * row['accuracy']:.1f}%",
+            _human(row["bytes_per_step"]),
+            _human(row["total_bytes"]),
+            f"{row.get('traffic_ratio', 1):.1f}x less",
+            f"{row['comm_s_1gbit']:.2f} s",
+            f"{row['comm_s_10gbit']:.3f} s",
+            f"{row['comm_s_100gbit']:.4f} s",
+            f"{steps[EXACT]}/{steps[ONEBIT]}/{steps[LOCAL]}",
+        )
+    console = Console()
+    console.print(table)
+    console.print(
+        f"bytes per device per step, read from compiled HLO: exact mean "
+        f"{_human(bytes_per_kind[EXACT])}, 1-bit mean {_human(bytes_per_kind[ONEBIT])} "
+        f"({bytes_per_kind[EXACT] / bytes_per_kind[ONEBIT]:.1f}x less); comm time = total bytes "
+        "per device / link rate."
+    )
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(nbytes) < 1000 or unit == "TB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes:.0f} B"
+        nbytes /= 1000
+    return str(nbytes)
+
+
+def plot(results: list[RunResult], bytes_per_kind: dict[str, float], path: str) -> None:
+    """Held-out loss against step and against cumulative bytes on the wire (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        smooth = np.convolve(r.losses, np.ones(20) / 20, mode="valid")
+        steps = np.arange(len(smooth)) + 20
+        cumulative = np.cumsum([bytes_per_kind[k] for k in r.kinds])
+        by_step.plot(steps, smooth, label=r.method)
+        by_bytes.plot(cumulative[steps - 1] / 1e6, smooth, label=r.method)
+    by_step.set(xlabel="step", ylabel="training loss (20-step mean)", title="loss per step")
+    by_bytes.set(
+        xlabel="cumulative MB sent per device (log)",
+        ylabel="training loss (20-step mean)",
+        title="loss per byte on the wire",
+        xscale="log",
+    )
+    for ax in (by_step, by_bytes):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(cfg: DemoConfig, *, plot_path: str | None, json_path: str | None) -> list[dict[str, Any]]:
+    """Train every method, print the table, write the plot/JSON; returns the table rows."""
+    import jax
+    from jax.sharding import AxisType
+    from rich.progress import Progress
+
+    from jaxcomm.textdata import CharBatches
+
+    n = min(cfg.devices, len(jax.devices()))
+    mesh = jax.make_mesh((n,), ("dp",), axis_types=(AxisType.Auto,))
+    data = CharBatches.from_corpus(context=cfg.context)
+    results = []
+    with Progress() as bar:
+        for method in cfg.methods:
+            task = bar.add_task(f"{method:>16}", total=cfg.steps)
+            results.append(train(method, cfg, mesh, data, lambda k, t=task: bar.advance(t, k)))
+    from flax import nnx
+
+    _, params = nnx.split(make_model(cfg, data.vocab_size), nnx.Param)
+    bytes_per_kind = wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes)
+    rows = summarize(results, bytes_per_kind)
+    _print_table(rows, bytes_per_kind, n)
+    if plot_path:
+        plot(results, bytes_per_kind, plot_path)
+        print(f"plot: {plot_path}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(
+                dict(
+                    config=asdict(cfg),
+                    devices=n,
+                    bytes_per_kind=bytes_per_kind,
+                    rows=rows,
+                    runs=[asdict(r) for r in results],
+                ),
+                f,
+                indent=1,
+            )
+        print(f"json: {json_path}")
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``jaxcomm demo`` options."""
+    d = DemoConfig()
+    parser.add_argument("--steps", type=int, default=d.steps, help=f"steps per run ({d.steps})")
+    parser.add_argument("--devices", type=int, default=d.devices, help="devices (8 simulated)")
+    parser.add_argument("--batch", type=int, default=d.batch_per_device, help="batch per device")
+    parser.add_argument("--lr", type=float, default=d.learning_rate, help="learning rate")
+    parser.add_argument(
+        "--warmup-fraction",
+        type=float,
+        default=d.warmup_fraction,
+        help="share of steps with exact communication before compression (0.15)",
+    )
+    parser.add_argument(
+        "--methods", default=",".join(d.methods), help="comma-separated optimizers to compare"
+    )
+    parser.add_argument("--plot", default="demo.png", help="PNG path ('' to skip)")
+    parser.add_argument("--json", default=None, help="also write results as JSON")
+    parser.add_argument("--seed", type=int, default=d.seed)
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    """Entry point of ``jaxcomm demo`` (see :func:`add_arguments`)."""
+    if "JAX_NUM_CPU_DEVICES" not in os.environ:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    cfg = DemoConfig(
+        steps=args.steps,
+        devices=args.devices,
+        batch_per_device=args.batch,
+        learning_rate=args.lr,
+        warmup_fraction=args.warmup_fraction,
+        methods=tuple(m for m in args.methods.split(",") if m),
+        seed=args.seed,
+        eval_every=max(1, min(50, args.steps // 4)),
+    )
+    run(cfg, plot_path=args.plot or None, json_path=args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="jaxcomm demo", description=__doc__)
+    add_arguments(parser)
+    sys.exit(main_from_args(parser.parse_args()))

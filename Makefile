@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv run test lint bench clean
+.PHONY: venv demo run test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ test: venv
 
 lint: venv
 	$(VENV)/bin/ruff check jaxcomm tests benchmarks
+
+demo: venv
+	$(VENV)/bin/jaxcomm demo
 
 run: venv
 	$(VENV)/bin/jaxcomm bench

@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         ok = row["loss_vs_adam"] <= LOSS_TOLERANCE and row["traffic_ratio"] >= ratio
         failed += not ok
         print(
-            f"  {method:>14}: loss {100 * row['loss_vs_adam']:+.2f}% (<= +{100 * LOSS_TOLERANCE:.0f}%)"
-            f", traffic {row['traffic_ratio']:.1f}x less (>= {ratio:.0f}x): "
+            f"  {method:>14}: loss {100 * row['loss_vs_adam']:+.2f}% "
+            f"(<= +{100 * LOSS_TOLERANCE:.0f}%), "
+            f"traffic {row['traffic_ratio']:.1f}x less (>= {ratio:.0f}x): "
             + ("PASS" if ok else "FAIL")
         )
     return 1 if failed else 0

@@ -17,7 +17,7 @@ test: venv
 	$(PY) -m pytest tests
 
 lint: venv
-	$(VENV)/bin/ruff check jaxcomm tests benchmarks
+	$(VENV)/bin/ruff check jaxcomm tests benchmarks examples
 
 demo: venv
 	$(VENV)/bin/jaxcomm demo

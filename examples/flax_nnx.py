@@ -97,14 +97,16 @@ def train(mesh, axis: str, tx, batches, vocab: int, name: str = "", log=print):
     return model, losses, wire_bytes(compiled.as_text())
 
 
-def main(steps: int = 200, log=print, compressors=None) -> dict:
+def main(steps: int = 200, warmup: int | None = None, log=print, compressors=None) -> dict:
     axis = "dp"
     n = jax.device_count()
     mesh = jax.make_mesh((n,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
     data = CharBatches.from_corpus(context=CONTEXT)
     rng = np.random.default_rng(0)
     batches = [data.sample(rng, (n * BATCH_PER_DEVICE,)) for _ in range(steps)]
-    warm = max(1, steps // 5)  # exact mean for the first 20% of the steps
+    # Exact mean for the first steps (20% by default): 1-bit compression of the large early
+    # gradients slows training down (here: 200 steps, loss 2.97 without warm-up, 2.62 with).
+    warm = max(1, steps // 5) if warmup is None else warmup
     if compressors is None:
         compressors = {"exact": jc.NoCompression(), "1-bit mean + adam": jc.OneBit()}
     results = {}
@@ -135,4 +137,6 @@ def main(steps: int = 200, log=print, compressors=None) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
-    main(parser.parse_args().steps)
+    parser.add_argument("--warmup", type=int, default=None, help="exact steps (default: 20%%)")
+    args = parser.parse_args()
+    main(args.steps, args.warmup)

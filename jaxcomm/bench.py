@@ -58,7 +58,9 @@ __all__ = [
     "parse_size",
     "plot_rows",
     "register_compressor",
+    "registered_compressors",
     "run_bench",
+    "split_specs",
 ]
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
@@ -124,6 +126,34 @@ def make_compressor(spec: str) -> Any:
         return registry[m.group("name").lower()](**kwargs)
     except TypeError as e:
         raise ValueError(f"jaxcomm bench: cannot build compressor {spec!r}: {e}") from e
+
+
+def registered_compressors() -> list[str]:
+    """Names of the registered compressors that build without arguments (``none`` first)."""
+    names = []
+    for name, factory in compressor_registry().items():
+        if name == "nocompression":
+            continue  # listed as "none"
+        try:
+            factory()
+        except (TypeError, ValueError):
+            continue
+        names.append(name)
+    return sorted(names, key=lambda n: (n != "none", n))
+
+
+def split_specs(text: str) -> list[str]:
+    """Comma-separated items; commas inside parentheses stay: ``quantize(bits=4,block_size=64)``."""
+    items, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    items.append(cur)
+    return [i.strip() for i in items if i.strip()]
 
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20}

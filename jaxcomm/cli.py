@@ -59,33 +59,6 @@ def _add_bench(sub) -> None:
     p.set_defaults(run=_run_bench)
 
 
-def _split(text: str) -> list[str]:
-    """Comma-separated items; commas inside parentheses stay: ``quantize(bits=4,block_size=64)``."""
-    items, depth, cur = [], 0, ""
-    for ch in text:
-        depth += (ch == "(") - (ch == ")")
-        if ch == "," and depth == 0:
-            items.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    items.append(cur)
-    return [i.strip() for i in items if i.strip()]
-
-
-def _all_compressors() -> list[str]:
-    names = []
-    for name, factory in sorted(_bench_mod.compressor_registry().items()):
-        if name == "nocompression":
-            continue  # listed as "none"
-        try:
-            factory()
-        except (TypeError, ValueError):
-            continue
-        names.append(name)
-    return sorted(names, key=lambda n: (n != "none", n))
-
-
 def _run_bench(args: argparse.Namespace) -> int:
     if args.plot:  # fail before measuring, not after
         try:
@@ -99,12 +72,14 @@ def _run_bench(args: argparse.Namespace) -> int:
             return 2
     try:
         compressors = (
-            _all_compressors() if args.compressors.strip() == "all" else _split(args.compressors)
+            _bench_mod.registered_compressors()
+            if args.compressors.strip() == "all"
+            else _bench_mod.split_specs(args.compressors)
         )
         config = _bench_mod.BenchConfig(
-            ops=tuple(_split(args.ops)),
+            ops=tuple(_bench_mod.split_specs(args.ops)),
             compressors=tuple(compressors),
-            sizes=tuple(_bench_mod.parse_size(s) for s in _split(args.sizes)),
+            sizes=tuple(_bench_mod.parse_size(s) for s in _bench_mod.split_specs(args.sizes)),
             repeats=args.repeats,
             warmup=args.warmup,
             bucket_bytes=args.bucket_bytes,

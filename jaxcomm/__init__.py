@@ -41,9 +41,11 @@ from jaxcomm.optimizers import (
     CompressedMeanState,
     LocalState,
     OneBitAdamState,
+    OneBitLambState,
     ZeroOneAdamState,
     compressed_mean,
     onebit_adam,
+    onebit_lamb,
     zero_one_adam,
 )
 from jaxcomm.overlap import xla_flags
@@ -106,9 +108,11 @@ __all__ = [
     "CompressedMeanState",
     "LocalState",
     "OneBitAdamState",
+    "OneBitLambState",
     "ZeroOneAdamState",
     "compressed_mean",
     "onebit_adam",
+    "onebit_lamb",
     "zero_one_adam",
     # data parallel
     "PER_DEVICE_TYPES",

@@ -49,6 +49,10 @@ def host(tree):
             id="zero_one_adam",
         ),
         pytest.param(
+            jc.onebit_lamb(0.01, freeze_step=2, weight_decay=0.01, axis_name="dp"),
+            id="onebit_lamb",
+        ),
+        pytest.param(
             optax.chain(jc.compressed_mean("dp", warmup_steps=1), optax.adam(0.01)),
             id="compressed_mean",
         ),

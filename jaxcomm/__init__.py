@@ -63,6 +63,7 @@ from jaxcomm.parallel import (
     to_pmap_layout,
     train_state_specs,
 )
+from jaxcomm.sharded import ShardedState, sharded
 
 __version__ = "0.1.0"
 
@@ -127,4 +128,7 @@ __all__ = [
     "state_partition_specs",
     "to_pmap_layout",
     "train_state_specs",
+    # sharded data parallel (ZeRO 1-2)
+    "ShardedState",
+    "sharded",
 ]

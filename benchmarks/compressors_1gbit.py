@@ -6,10 +6,11 @@ cluster interconnect. Each reduces ``--size-mb`` of fp32 per process inside ``ja
 over the 2-device global mesh, once with ``lax.pmean`` and once per compressor with
 ``jc.compressed_pmean(..., compressor=c)`` (``--methods`` picks them; all by default).
 
-Timing: 2 warm-up calls, then ``--repeats`` timed calls, each preceded by a barrier (a tiny
-cross-process psum, timed too) so that both ranks start together; a call's time is the slower
-rank's, and the table shows medians. Bytes on the wire per device are read from the compiled
-HLO (:func:`jaxcomm.hlo.wire_bytes`).
+Timing: 2 warm-up calls per method, then ``--repeats`` rounds that time one call of every
+method in turn (so load bursts on a shared machine hit all methods alike), each call preceded
+by a barrier (a tiny cross-process psum, timed too) so that both ranks start together; a
+call's time is the slower rank's, and the table shows medians. Bytes on the wire per device
+are read from the compiled HLO (:func:`jaxcomm.hlo.wire_bytes`).
 
 Usage (needs root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped loopback)::
 
@@ -164,17 +165,21 @@ def _worker(args: argparse.Namespace) -> None:
 
     times: dict[str, list[float]] = {name: [] for name in runners}
     times["barrier"] = []
-    for name, fn in runners.items():
+    for fn in runners.values():
         for _ in range(WARMUP):
             v = fresh_copy(x).block_until_ready()
             barrier()
             fn(v)
-        for _ in range(args.repeats):
+    # Rounds visit every method in turn, so a burst of load on this shared machine hits all
+    # methods alike instead of skewing one.
+    for _ in range(args.repeats):
+        for name, fn in runners.items():
             v = fresh_copy(x).block_until_ready()  # outside the timer: it is donated
             times["barrier"].append(barrier())
             t0 = time.perf_counter()
             fn(v)
             times[name].append(time.perf_counter() - t0)
+    for name in runners:
         print(f"rank {rank} {name}: {[round(t, 4) for t in times[name]]}", flush=True)
 
     result = {"rank": rank, "num_processes": n, "numel": numel, "times": times, "wire": wire}

@@ -8,6 +8,8 @@ local gradients**: the transformation does the cross-device communication itself
   before any optax optimizer: ``optax.chain(jc.compressed_mean("dp"), optax.adam(1e-3))``.
 * :func:`onebit_adam`: DeepSpeed's 1-bit Adam (exact warm-up, then 1-bit momentum all-reduce).
 * :func:`zero_one_adam`: DeepSpeed's 0/1 Adam (adaptive variance freezing and local steps).
+* :func:`onebit_lamb`: DeepSpeed's 1-bit LAMB (exact LAMB warm-up, then 1-bit momentum with
+  frozen, corrected trust ratios).
 
 State layout. Leaves of a state are either **replicated** (identical on every device: step
 counts, Adam moments computed from reduced values, hyperparameters) or **per-device** (the

@@ -107,8 +107,31 @@ def state_partition_specs(state: PyTree, axis_name: str) -> PyTree:
     Works on any pytree (an optimizer state, a :class:`TrainState`, arrays or
     ``ShapeDtypeStruct``s); the result has the structure of ``state`` with specs as leaves. For a
     :class:`TrainState` use :func:`train_state_specs`, which also places the parameters.
+
+    A Flax NNX ``State`` (from ``nnx.split`` / ``nnx.state``) no longer holds the optax
+    NamedTuple types that mark per-device leaves, so it is refused: call this on the NNX objects
+    (``nnx.state(jc.state_partition_specs((model, optimizer), axis))``) instead.
     """
+    _refuse_nnx_state(state)
     return _map_by_kind(state, lambda _: P(axis_name), lambda _: P())
+
+
+def _refuse_nnx_state(tree: PyTree) -> None:
+    # Checked by type name so that jaxcomm does not import flax.
+    def is_nnx_state(node) -> bool:
+        cls = type(node)
+        return cls.__name__ == "State" and cls.__module__.startswith("flax.nnx")
+
+    # The State of a whole split object (or a tuple of them): inside NNX objects, States also
+    # hold param-shaped moments below the optax types, which is fine.
+    roots = tree if isinstance(tree, tuple | list) else (tree,)
+    if any(is_nnx_state(root) for root in roots):
+        raise TypeError(
+            "jaxcomm: state_partition_specs got a flax.nnx State, which has lost the optax "
+            "state types that mark per-device leaves (every leaf would look replicated). Call it "
+            "on the NNX objects instead: nnx.state(jc.state_partition_specs((model, optimizer), "
+            "axis_name))."
+        )
 
 
 def train_state_specs(state: TrainState, axis_name: str) -> TrainState:

@@ -135,3 +135,20 @@ def test_device_varying_updates_are_refused(mesh):
     step, state = jc.make_train_step(mesh, "dp", loss_only, optax.sgd(0.1), params)
     with pytest.raises(ValueError, match="replicat"):
         step(state, batch)
+
+
+def test_state_partition_specs_refuses_an_nnx_state():
+    """nnx.split drops the optax NamedTuple types: every leaf would silently look replicated."""
+    from flax import nnx
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    tx = jc.onebit_adam(1e-3, axis_name="dp", axis_size=8)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    _, state = nnx.split(optimizer)
+    with pytest.raises(TypeError, match="nnx State"):
+        jc.state_partition_specs(state, "dp")
+    # On the objects themselves the 1-bit error feedback is found and placed on the axis.
+    specs = jax.tree.leaves(
+        nnx.state(jc.state_partition_specs(optimizer, "dp")), is_leaf=lambda x: isinstance(x, P)
+    )
+    assert P("dp") in specs and P() in specs

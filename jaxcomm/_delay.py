@@ -269,9 +269,12 @@ def delay_relay(
     seconds = parse_delay(delay) if isinstance(delay, str) else float(delay)
     if not seconds >= 0:
         raise ValueError(f"delay must be >= 0, got {delay!r}")
+    from jaxcomm.launch import _pdeathsig_prefix
+
     shim = build_shim()
     relay = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "jaxcomm._delay", str(seconds)],
+        # The relay must not outlive a launcher that is killed outright.
+        [*_pdeathsig_prefix(), *prefix, sys.executable, "-m", "jaxcomm._delay", str(seconds)],
         stdout=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         text=True,

@@ -648,7 +648,7 @@ def plot_rows(rows: Sequence[BenchRow], path: str) -> None:
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel("effective bandwidth algbw (GB/s)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

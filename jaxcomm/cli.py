@@ -135,8 +135,9 @@ later in each direction (needs a C compiler once for its connect() shim; no root
 
 Multi-node: do not use this launcher; start one process per host with your scheduler and let
 jc.init_distributed() read its environment: torchrun/DeepSpeed (MASTER_ADDR, MASTER_PORT,
-RANK, WORLD_SIZE), `srun` under SLURM (SLURM_PROCID, SLURM_NTASKS, first host of
-SLURM_STEP_NODELIST), or `mpirun` (OMPI_COMM_WORLD_RANK/SIZE, with JAXCOMM_COORDINATOR=host:port).
+RANK, WORLD_SIZE), `srun` under SLURM (JAX's own detection from SLURM_PROCID, SLURM_NTASKS,
+SLURM_STEP_NODELIST), or `mpirun` (OMPI_COMM_WORLD_RANK/SIZE; coordinator from
+JAXCOMM_COORDINATOR=host:port or MASTER_ADDR/MASTER_PORT).
 """
 
 

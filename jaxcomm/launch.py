@@ -9,7 +9,13 @@ rank runs in its own process group, which is killed as a whole, so nothing is le
 Optionally all ranks share one private network namespace whose loopback is shaped with ``tc``
 (token bucket rate, optional ``netem`` delay), which turns one machine into a stand-in for a
 slow cluster network. That needs root, ``unshare``, ``nsenter``, ``ip`` and ``tc``;
-:func:`can_shape_network` says whether it works here.
+:func:`can_shape_network` says whether it works here. Where the kernel lacks ``netem``
+(containers, gVisor), ``relay_delay`` adds a link delay without root: the ranks' TCP connections
+go through a userspace relay that delivers every byte that much later (:mod:`jaxcomm._delay`);
+:func:`delay_options` picks netem when it works, else the relay.
+
+Multi-node runs do not use this module: start one process per host with SLURM (``srun``),
+``mpirun`` or ``torchrun`` and let :func:`jaxcomm.init_distributed` read their environment.
 
 Example::
 

@@ -226,11 +226,17 @@ def test_compiled_buckets_are_independent_chains(mesh):
     fn = _smap(mesh, body, (P(), P("dp")), (P(), P("dp")))
     gstate = jax.tree.map(lambda s: jax.ShapeDtypeStruct((N * s.shape[0],), s.dtype), state)
     deps = collective_dependencies(compiled_text(fn, tree, gstate))
-    # Flattened arguments: a, b, then (worker, server) error of bucket 0, then of bucket 1.
-    bucket_params = [{0, 2, 3}, {1, 4, 5}]
+    # Entry parameters are the flattened arguments: a, b, then the state's leaves in order.
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+    bucket_params = [
+        {leaf} | {2 + j for j, p in enumerate(paths) if p.startswith(f".buckets[{leaf}]")}
+        for leaf in (0, 1)
+    ]
+    assert all(len(ps) == 3 for ps in bucket_params)  # the leaf, worker and server error
     owners = []
     for op, params in deps:
-        owner = [i for i, ps in enumerate(bucket_params) if params and params <= ps]
+        # A collective may read state shared by all buckets, never another bucket's data.
+        owner = [i for i, ps in enumerate(bucket_params) if params & ps]
         assert len(owner) == 1, (op.line, sorted(params))
         owners.append(owner[0])
     assert len(deps) == 8 and sorted(owners) == [0] * 4 + [1] * 4

@@ -623,8 +623,10 @@ class OneBitLambState(NamedTuple):
     comm: ReduceState
 
 
-def _check_static_range(name: str, value, low=None, high=None, *, low_open=False) -> None:
-    """Raise for a hyperparameter known at trace time outside ``[low, high]`` (``(low, high]``)."""
+def _check_static_range(
+    name: str, value, low=None, high=None, *, low_open=False, high_open=False
+) -> None:
+    """Raise for a hyperparameter known at trace time outside ``[low, high]`` (or open ends)."""
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
         return  # traced (optax.inject_hyperparams) or an array: not checked
     v = float(value)
@@ -632,11 +634,11 @@ def _check_static_range(name: str, value, low=None, high=None, *, low_open=False
     if low is not None:
         bad = bad or (v <= low if low_open else v < low)
     if high is not None:
-        bad = bad or v > high
+        bad = bad or (v >= high if high_open else v > high)
     if bad:
         lo = "-inf" if low is None else low
         hi = "inf" if high is None else high
-        interval = f"{'(' if low_open else '['}{lo}, {hi}]"
+        interval = f"{'(' if low_open else '['}{lo}, {hi}{')' if high_open else ']'}"
         raise ValueError(f"jaxcomm: onebit_lamb {name} must be in {interval}, got {value!r}")
 
 
@@ -705,7 +707,9 @@ def onebit_lamb(
     and empty leaves are left out of the mean; an update of norm 0 gives ``r = 1``. DeepSpeed's
     ``exp_avg_mask`` is not supported. The momenta of all leaves are one flat buffer as in
     DeepSpeed when ``bucket_bytes=None`` (the default), padded to a multiple of ``8 n`` (jaxcomm's
-    rule; DeepSpeed pads to a multiple of ``n lcm(n, 8)``, the same for ``n`` = 1, 2, 4, 8).
+    rule; DeepSpeed pads to a multiple of ``n lcm(n, 8)``, the same for ``n`` = 1, 2, 4, 8), and
+    the padding is zero at every step (DeepSpeed's fused buffer keeps its padding tail between
+    steps, so the tail carries the previous step's 1-bit output into the next scales).
 
     Args:
       learning_rate: a float or an optax schedule of the step count.
@@ -736,7 +740,7 @@ def onebit_lamb(
             f"jaxcomm: onebit_lamb needs freeze_step >= 1 (the frozen LAMB coefficient is an "
             f"average over the warm-up), got {freeze_step!r}"
         )
-    _check_static_range("b1", b1, 0.0, 1.0)
+    _check_static_range("b1", b1, 0.0, 1.0, high_open=True)  # g~ divides by 1 - b1
     _check_static_range("b2", b2, 0.0, 1.0)
     _check_static_range("coeff_beta", coeff_beta, 0.0, 1.0)
     _check_static_range("min_coeff", min_coeff, 0.0, low_open=True)

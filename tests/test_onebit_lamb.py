@@ -174,6 +174,8 @@ def test_onebit_lamb_misuse_is_refused():
         jc.onebit_lamb(min_coeff=2.0, max_coeff=1.0, axis_name="dp")
     with pytest.raises(ValueError, match="factor_min <= factor_max"):
         jc.onebit_lamb(factor_min=2.0, factor_max=1.0, axis_name="dp")
+    with pytest.raises(ValueError, match=r"b1 must be in \[0.0, 1.0\)"):
+        jc.onebit_lamb(b1=1.0, axis_name="dp")
     with pytest.raises(ValueError, match="coeff_beta"):
         jc.onebit_lamb(coeff_beta=1.5, axis_name="dp")
     with pytest.raises(ValueError, match="factor_threshold"):

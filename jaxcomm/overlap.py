@@ -24,7 +24,7 @@ before the backend starts:
     Runs collectives on a high-priority stream so that compute kernels do not starve them.
 
 On CPU, XLA runs collectives synchronously: there is nothing to overlap and
-``xla_flags("cpu")`` is empty. TPU's scheduler overlaps by default (its flags go through
+``xla_flags("cpu")`` adds no flag. TPU's scheduler overlaps by default (its flags go through
 ``LIBTPU_INIT_ARGS``, not covered here).
 
 Usage (before ``import jax`` creates a backend)::

@@ -31,6 +31,11 @@ def bound_axis_size(axis_name: str) -> int:
         ) from err
 
 
+def _axes(axis_name) -> tuple:
+    """Axis names as a tuple: collectives accept one name or a tuple of mesh axes."""
+    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+
+
 def _vma(x) -> frozenset:
     """Axes along which ``x`` is typed device-varying (empty outside ``check_vma`` tracing)."""
     aval = jax.typeof(x)
@@ -46,10 +51,11 @@ def ensure_varying(x: jax.Array, axis_name: str) -> jax.Array:
     all_to_all and all_gather require device-varying operands under ``check_vma=True``; a
     replicated input is, by definition, the same value on every device, so casting it is exact.
     """
-    if axis_name in _vma(x):
+    missing = tuple(a for a in _axes(axis_name) if a not in _vma(x))
+    if not missing:
         return x
     try:
-        return lax.pcast(x, axis_name, to="varying")
+        return lax.pcast(x, missing, to="varying")
     except (ValueError, TypeError, NameError):
         # pmap and shard_map(check_vma=False) carry no varying-ness types.
         return x
@@ -62,6 +68,6 @@ def all_gather_replicated(x: jax.Array, axis_name: str) -> jax.Array:
     users to return reduced gradients/params with ``out_specs=P(axis)``. The values are identical
     on every device, so the invariant variant states the truth.
     """
-    if _all_gather_invariant is not None and axis_name in _vma(x):
+    if _all_gather_invariant is not None and set(_axes(axis_name)) <= _vma(x):
         return _all_gather_invariant(x, axis_name)
     return lax.all_gather(x, axis_name)

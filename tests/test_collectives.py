@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from conftest import NUM_DEVICES, make_mesh
 from jax import lax
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from onebit_reference import OneBitAllReduceModel, OneBitReduceScatterModel
 
@@ -336,3 +337,30 @@ def test_check_vma_off(mesh):
 
     out, _ = run_stacked(fn, mesh, tree, state, check_vma=False)
     np.testing.assert_allclose(out["g"], OneBitAllReduceModel(N, 64).step(tree["g"]), rtol=2e-5)
+
+
+@pytest.mark.parametrize("compressor", [jc.NoCompression(), jc.OneBit()])
+def test_tuple_of_mesh_axes_reduces_over_both(compressor):
+    """axis_name=("node", "local") on a 2 x 4 mesh is one reduction over all 8 devices."""
+    mesh2d = jax.make_mesh((2, 4), ("node", "local"), axis_types=(AxisType.Auto,) * 2)
+    axes = ("node", "local")
+    trees = [per_device_trees(100 + k, {"g": (40,)}) for k in range(3)]
+    state = jc.init_state(compressor, local(trees[0]), axis_size=N)
+    stacked_state = jax.tree.map(lambda s: jnp.stack([s] * N), state)
+
+    def body(t, s):
+        s = jax.tree.map(lambda a: a[0], s)
+        out, s = jc.compressed_pmean(local(t), s, axis_name=axes, compressor=compressor)
+        return out, jax.tree.map(lambda a: a[None], s)
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh2d, in_specs=(P(axes), P(axes)), out_specs=(P(), P(axes)))
+    )
+    model = OneBitAllReduceModel(N, 40)
+    for tree in trees:
+        out, stacked_state = step(tree, stacked_state)
+        if isinstance(compressor, jc.OneBit):
+            expected = model.step(tree["g"])
+        else:
+            expected = tree["g"].mean(0)
+        np.testing.assert_allclose(out["g"], expected, rtol=2e-5, atol=1e-6)

@@ -7,13 +7,16 @@ download) is trained on every device of a mesh (8 simulated CPU devices by defau
 * ``compressed_mean``: ``jc.compressed_mean`` (1-bit with error feedback, exact warm-up), then Adam;
 * ``onebit_adam``: DeepSpeed's 1-bit Adam (exact warm-up, then 1-bit momentum);
 * ``zero_one_adam``: 0/1 Adam (variance updates at doubling intervals, then local steps);
-* ``onebit_lamb``: 1-bit LAMB (exact warm-up, then 1-bit momentum with frozen trust ratios).
+* ``onebit_lamb``: 1-bit LAMB (exact warm-up, then 1-bit momentum with frozen trust ratios);
+* ``sharded_int8`` (not in the default list): ``jc.sharded`` Adam (ZeRO 1-2: each device keeps
+  the Adam state of its 1/n of the parameters) with int8 gradients (qgZ) and int8 weights (qwZ).
 
 Bytes on the wire. Each optimizer's step is one of three kinds: an *exact* step (fp32 mean of
 a parameter-shaped tree), a *1-bit* step (``OneBit`` mean of such a tree) or a *local* step
-(no communication). The bytes per device of the first two are read from the compiled HLO of
-those collectives on this mesh (:mod:`jaxcomm.hlo`); each optimizer's kind of every step is
-read from its state's counters, so the totals follow what the run actually did.
+(no communication); ``sharded_int8``'s steps are a fourth kind (an int8 reduce-scatter of the
+gradients and an int8 all-gather of the parameters). The bytes per device of each kind are read
+from the compiled HLO of its collectives on this mesh (:mod:`jaxcomm.hlo`); each optimizer's
+kind of every step is read from its state's counters, so the totals follow what the run did.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import numpy as np
 
 EXACT, ONEBIT, LOCAL = "exact", "1-bit", "local"
+SHARDED_INT8 = "int8 scatter+gather"
 RATES_GBIT = (1, 10, 100)
 
 
@@ -153,7 +157,40 @@ def _optimizer(method: str, cfg: DemoConfig, axis: str):
             cfg.lamb_learning_rate, freeze_step=warm, axis_name=axis, bucket_bytes=bb
         )
         return tx, lambda s: EXACT if int(s.count) < warm else ONEBIT
+    if method == "sharded_int8":
+        return _sharded_int8(optax.adam(lr), axis, bb), lambda s: SHARDED_INT8
     raise SystemExit(f"jaxcomm demo: unknown method {method!r}")
+
+
+def _sharded_int8(inner, axis: str, bucket_bytes: int | None):
+    import jaxcomm as jc
+
+    int8 = jc.Quantize(bits=8)
+    return jc.sharded(
+        inner, axis, compressor=int8, gather_compressor=int8, bucket_bytes=bucket_bytes
+    )
+
+
+def _sharded_int8_bytes(mesh, axis: str, params, bucket_bytes: int | None) -> float:
+    """Bytes per device of one ``sharded_int8`` update of a parameter-shaped tree (HLO)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcomm.hlo import wire_bytes
+
+    tx = _sharded_int8(optax.identity(), axis, bucket_bytes)
+    tree = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
+    n = mesh.shape[axis]
+    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct((n, *p.shape), p.dtype), tree)
+
+    def body(g, p):
+        g = jax.tree.map(lambda x: x[0], g)
+        return tx.update(g, tx.init(p), p)[0]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P()), out_specs=P()))
+    return wire_bytes(fn.lower(grads, tree).compile().as_text())
 
 
 def wire_bytes_per_kind(mesh, axis: str, params, bucket_bytes: int | None) -> dict[str, float]:
@@ -184,6 +221,7 @@ def wire_bytes_per_kind(mesh, axis: str, params, bucket_bytes: int | None) -> di
             jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P(axis)))
         )
         out[kind] = wire_bytes(fn.lower(tree, g_state).compile().as_text())
+    out[SHARDED_INT8] = _sharded_int8_bytes(mesh, axis, params, bucket_bytes)
     return out
 
 
@@ -259,7 +297,7 @@ def summarize(results: list[RunResult], bytes_per_kind: dict[str, float]) -> lis
             accuracy=r.final_accuracy,
             bytes_per_step=total / len(r.kinds),  # the final average is spread over the run
             total_bytes=total,
-            steps={k: r.kinds.count(k) for k in (EXACT, ONEBIT, LOCAL)},
+            steps={k: r.kinds.count(k) for k in (EXACT, ONEBIT, LOCAL, SHARDED_INT8)},
             seconds=r.seconds,
         )
         for rate in RATES_GBIT:
@@ -296,7 +334,8 @@ def _print_table(rows: list[dict[str, Any]], bytes_per_kind: dict[str, float], n
             f"{row['comm_s_1gbit']:.2f} s",
             f"{row['comm_s_10gbit']:.3f} s",
             f"{row['comm_s_100gbit']:.4f} s",
-            f"{steps[EXACT]}/{steps[ONEBIT]}/{steps[LOCAL]}",
+            f"{steps[EXACT]}/{steps[ONEBIT]}/{steps[LOCAL]}"
+            + (f" (+{steps[SHARDED_INT8]} int8)" if steps.get(SHARDED_INT8) else ""),
         )
     console = Console()
     console.print(table)

@@ -27,7 +27,9 @@ Master weights. With a lossy gather the gathered parameters are only an approxim
 updated ones; re-slicing them every step would quantize the weights themselves and lose every
 update smaller than a quantization step. The state then also holds ``master``: this device's
 exact parameter shard (ZeRO++ keeps the full-precision partition on its owner, too), which is
-what the inner transformation updates. With an exact gather the slice of ``p`` *is* the master
+what the inner transformation updates. (Where ``init`` runs outside the axis, no device knows
+its index yet: the master is then marked invalid and taken from ``p`` at the first update.)
+With an exact gather the slice of ``p`` *is* the master
 shard and nothing extra is stored.
 
 State. :class:`ShardedState` is per device as a whole (it is registered with
@@ -75,12 +77,25 @@ class ShardedState(NamedTuple):
         (leaves ``(c,)`` with ``c = ceil(numel / n)``).
       comm: error feedback of the compressed reduce-scatter (``jc.ScatterState``; no leaves for
         exact or feedback-free compressors).
-      master: this device's exact parameter shards when the gather is lossy, else ``()``.
+      master: a :class:`MasterShards` when the gather is lossy, else ``()``.
     """
 
     inner: PyTree
     comm: ScatterState
-    master: PyTree
+    master: MasterShards | tuple
+
+
+class MasterShards(NamedTuple):
+    """This device's exact parameter shards, kept when the all-gather is lossy (qwZ).
+
+    Attributes:
+      shards: one ``(c,)`` array per parameter leaf, the parameters' dtype.
+      valid: bool scalar; ``False`` when ``init`` ran outside the axis (the shards are then
+        zeros and the first update slices them from the parameters).
+    """
+
+    shards: PyTree
+    valid: jax.Array
 
 
 register_per_device_type(ShardedState)
@@ -165,7 +180,8 @@ def sharded(
     def init_fn(params):
         n = resolve_axis_size(axis_name, axis_size)
         index = _axis_index(axis_name)
-        if index is None:
+        unbound = index is None
+        if unbound:
             shapes = shard_shapes(params, n)
             if _depends_on_inputs(tx.init, jax.tree.map(jnp.zeros_like, shapes)):
                 raise ValueError(
@@ -178,7 +194,13 @@ def sharded(
         comm = init_state(
             compressor, params, axis_size=n, bucket_bytes=bucket_bytes, op="reduce_scatter"
         )
-        return ShardedState(tx.init(shards), comm, shards if keep_master else ())
+        master = ()
+        if keep_master:
+            master = MasterShards(
+                jax.tree.map(jnp.zeros_like, shards) if unbound else shards,
+                jnp.asarray(not unbound),
+            )
+        return ShardedState(tx.init(shards), comm, master)
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -195,7 +217,10 @@ def sharded(
             compressor=compressor,
             bucket_bytes=bucket_bytes,
         )
-        own = state.master if keep_master else shard_of(params, index, n)
+        own = shard_of(params, index, n)
+        if keep_master:
+            valid = state.master.valid
+            own = jax.tree.map(lambda m, p: jnp.where(valid, m, p), state.master.shards, own)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, own)
         shard_updates, inner = tx.update(grads, state.inner, own)
         new_own = optax.apply_updates(own, shard_updates)
@@ -210,9 +235,10 @@ def sharded(
         delta = jax.tree.map(
             lambda new, p: (new - p).astype(jnp.asarray(p).dtype), gathered, params
         )
-        return delta, ShardedState(inner, comm, new_own if keep_master else ())
+        master = MasterShards(new_own, jnp.ones_like(valid)) if keep_master else ()
+        return delta, ShardedState(inner, comm, master)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-__all__: Sequence[str] = ("ShardedState", "shard_of", "sharded")
+__all__: Sequence[str] = ("MasterShards", "ShardedState", "shard_of", "sharded")

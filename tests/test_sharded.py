@@ -130,8 +130,8 @@ def test_optimizer_state_memory_is_one_nth(mesh, capsys):
     assert sharded_b == 2 * 4 * shard + 4
     assert shard - numel / N < len(params)  # padding: < 1 element per leaf
     assert sharded_b <= plain_b / N + 2 * 4 * len(params) + 4
-    # qwZ keeps the exact master shard on its owner as well.
-    assert qwz_b == sharded_b + 4 * shard
+    # qwZ keeps the exact master shard on its owner as well (and one bool).
+    assert qwz_b == sharded_b + 4 * shard + 1
     with capsys.disabled():
         print(
             f"\noptimizer state per device, {N} devices, {numel:,} params (Adam): plain "
@@ -217,7 +217,8 @@ def test_int8_gradients_and_weights_train_and_keep_exact_masters(mesh):
         losses.append(float(loss))
     assert np.all(np.isfinite(losses)) and np.mean(losses[-5:]) < losses[0] - 0.05
     # The replicated parameters are exactly the int8 gather of the per-device master shards.
-    master = state.opt_state.master  # (n, c) per leaf, row r on device r
+    master = state.opt_state.master.shards  # (n, c) per leaf, row r on device r
+    assert np.all(np.asarray(state.opt_state.master.valid))
     expected = qwz_gather_reference(master, params, N)
     assert_close(state.params, expected, rtol=1e-6, atol=1e-6)
     # ... and the masters are not the quantized parameters (updates below a step survive).
@@ -241,6 +242,12 @@ def test_init_outside_the_axis_and_errors(mesh):
     inside = jc.from_pmap_layout(jc.parallel.init_opt_state(tx, params, "dp", N))
     assert isinstance(outside, ShardedState)
     assert_close(outside, inside, rtol=0, atol=0)
+    # A qwZ master cannot be sliced outside the axis: it is marked invalid, filled at step 1.
+    qwz = jc.sharded(optax.adam(1e-3), "dp", gather_compressor=jc.Quantize(8), axis_size=N)
+    assert not bool(qwz.init(params).master.valid)
+    assert bool(
+        jc.from_pmap_layout(jc.parallel.init_opt_state(qwz, params, "dp", N)).master.valid[0]
+    )
     # An inner init that stores parameter values cannot be built for every device from outside.
     values = jc.sharded(optax.contrib.schedule_free_adamw(1e-3), "dp", axis_size=N)
     with pytest.raises(ValueError, match="stores parameter values"):
@@ -253,3 +260,68 @@ def test_init_outside_the_axis_and_errors(mesh):
         jax.vmap(lambda _: tx.update(params, tx.init(params)), axis_name="dp")(jnp.zeros(N))
     with pytest.raises(TypeError, match="Compressor"):
         jc.sharded(optax.adam(1e-3), "dp", compressor="int8")
+
+
+def test_flax_nnx_sharded_example():
+    """The NNX example: exact == plain AdamW on the full batch; int8 trains; 1/n state."""
+    import importlib.util
+    import pathlib
+
+    from flax import nnx
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "flax_nnx_sharded.py"
+    spec = importlib.util.spec_from_file_location("jaxcomm_example_flax_nnx_sharded", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = example.main(steps=20, log=None)
+    exact, int8 = out["losses"]["exact"], out["losses"]["int8"]
+    for losses in (exact, int8):
+        assert np.all(np.isfinite(losses)) and np.mean(losses[-2:]) < losses[0] - 0.05
+    np.testing.assert_allclose(int8, exact, rtol=0.02)  # int8 stays close to exact
+    # Bytes per device from HLO: int8 scatter + gather about 4x less than the exact pair.
+    assert 3.5 < out["step_bytes"]["exact"] / out["step_bytes"]["int8"] <= 4.0
+    # Optimizer state per device: 1/8 of plain data parallel plus padding and counts.
+    assert out["state_bytes"]["exact"] < out["plain_state_bytes"] / N + 64
+    assert out["state_bytes"]["exact"] > out["plain_state_bytes"] / N
+
+    graphdef, params = nnx.split(example.CharMLP(out["vocab"], nnx.Rngs(0)), nnx.Param)
+    tx = optax.adamw(example.LR, weight_decay=example.WEIGHT_DECAY)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def reference_step(params, opt_state, batch):  # one device, the whole global batch
+        loss, grads = jax.value_and_grad(lambda p: example.loss_fn(nnx.merge(graphdef, p), batch))(
+            params
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for batch in out["batches"]:
+        params, opt_state, loss = reference_step(params, opt_state, batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(exact, losses, rtol=1e-5)
+    got = nnx.state(out["models"]["exact"], nnx.Param)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-6)
+
+
+def test_demo_sharded_int8_method(mesh):
+    pytest.importorskip("rich")
+    from flax import nnx
+
+    from jaxcomm import demo
+    from jaxcomm.textdata import CharBatches
+
+    cfg = demo.DemoConfig(steps=12, hidden=32, eval_every=6, methods=("sharded_int8",))
+    data = CharBatches.from_corpus(context=cfg.context)
+    result = demo.train("sharded_int8", cfg, mesh, data)
+    assert result.kinds == [demo.SHARDED_INT8] * cfg.steps
+    assert np.all(np.isfinite(result.losses)) and result.losses[-1] < result.losses[0]
+    _, params = nnx.split(demo.make_model(cfg, data.vocab_size), nnx.Param)
+    per_kind = demo.wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes)
+    # int8 codes both ways (+ one fp32 scale per block and leaf): about 4x less than fp32.
+    assert 3.5 < per_kind[demo.EXACT] / per_kind[demo.SHARDED_INT8] <= 4.0
+    row = demo.summarize([result], per_kind)[0]
+    assert row["total_bytes"] == pytest.approx(cfg.steps * per_kind[demo.SHARDED_INT8])
+    assert row["steps"][demo.SHARDED_INT8] == cfg.steps

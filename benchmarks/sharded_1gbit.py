@@ -1,0 +1,264 @@
+"""Train-step time of sharded data parallel (ZeRO 1-2) with int8 traffic vs plain fp32 DP, 1 Gbit/s.
+
+Two processes (one CPU device each, gloo collectives over TCP) in a private network namespace
+whose loopback is shaped with ``tc tbf`` to ``--rate`` (the harness of
+``benchmarks/compressors_1gbit.py``, :func:`jaxcomm.launch.launch_local`). Each trains the same
+MLP (``--width`` x ``--width`` layers, ``--layers`` of them: 16.8M fp32 parameters, 64 MiB, by
+default) with Adam through ``jc.make_train_step``, one method after the other:
+
+* ``fp32``: plain data parallel, ``optax.chain(jc.compressed_mean(axis, jc.NoCompression()),
+  optax.adam(lr))`` (one fused fp32 all-reduce of the gradients, full Adam state per device);
+* ``sharded``: ``jc.sharded(optax.adam(lr), axis)``, exact fp32 reduce-scatter and all-gather;
+* ``sharded_int8``: ``jc.sharded(..., compressor=jc.Quantize(bits=8),
+  gather_compressor=jc.Quantize(bits=8))``: int8 gradients (qgZ) and int8 weights (qwZ);
+* ``sharded_int4``: int4 gradients (ZeRO++'s qgZ default) and int8 weights.
+
+Timing: 2 warm-up steps per method, then ``--repeats`` rounds that time one step of every
+method in turn, each preceded by a barrier (a tiny cross-process psum) so that both ranks start
+together; a step's time is the slower rank's; the table shows medians and the speedup against
+``fp32`` of the same run. Bytes on the wire per device per step come from the compiled HLO
+(:func:`jaxcomm.hlo.wire_bytes`); optimizer-state bytes per device from the arrays.
+
+Usage (root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped loopback)::
+
+    python benchmarks/sharded_1gbit.py [--width 2048] [--layers 4] [--rate 1gbit] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(REPO))
+
+WARMUP = 2
+METHODS = {
+    "fp32": "plain DP: fp32 all-reduce + Adam",
+    "sharded": "jc.sharded(adam), exact scatter/gather",
+    "sharded_int8": "jc.sharded(adam), int8 grads + int8 weights",
+    "sharded_int4": "jc.sharded(adam), int4 grads + int8 weights",
+}
+
+
+def make_tx(name: str, axis: str, lr: float = 1e-3):
+    import optax
+
+    import jaxcomm as jc
+
+    adam = optax.adam(lr)
+    if name == "fp32":
+        return optax.chain(jc.compressed_mean(axis, jc.NoCompression()), adam)
+    if name == "sharded":
+        return jc.sharded(adam, axis)
+    if name == "sharded_int8":
+        return jc.sharded(
+            adam, axis, compressor=jc.Quantize(bits=8), gather_compressor=jc.Quantize(bits=8)
+        )
+    if name == "sharded_int4":
+        return jc.sharded(
+            adam, axis, compressor=jc.Quantize(bits=4), gather_compressor=jc.Quantize(bits=8)
+        )
+    raise SystemExit(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--width", type=int, default=2048, help="hidden width (2048)")
+    p.add_argument("--layers", type=int, default=4, help="width x width layers (4)")
+    p.add_argument("--batch", type=int, default=16, help="examples per process per step (16)")
+    p.add_argument("--rate", default="1gbit", help="tc rate of the shaped loopback (1gbit)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per method (5)")
+    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
+    p.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated ({','.join(METHODS)})"
+    )
+    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
+    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _worker(args: argparse.Namespace) -> None:
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm as jc
+    from jaxcomm.distributed import init_distributed
+    from jaxcomm.hlo import wire_bytes
+
+    info = init_distributed("gloo", initialization_timeout=120)
+    rank, n = info.process_id, info.num_processes
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("dp",))
+    split = NamedSharding(mesh, P("dp"))
+    w = args.width
+    rng = np.random.default_rng(0)  # the same initial parameters on every process
+    params = {
+        f"layer{i}": {
+            "w": (rng.standard_normal((w, w), np.float32) / np.sqrt(w)).astype(np.float32),
+            "b": np.zeros((w,), np.float32),
+        }
+        for i in range(args.layers)
+    }
+    numel = sum(x.size for x in jax.tree.leaves(params))
+
+    def loss_fn(p, batch):
+        x, y = batch
+        for i in range(args.layers):
+            x = jnp.tanh(x @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"])
+        return jnp.mean((x - y) ** 2)
+
+    data = np.random.default_rng(1 + rank)
+    local = (
+        data.standard_normal((args.batch, w), np.float32),
+        data.standard_normal((args.batch, w), np.float32),
+    )
+    batch = tuple(jax.make_array_from_process_local_data(split, a) for a in local)
+    token = jax.make_array_from_process_local_data(split, np.ones((1,), np.float32))
+    barrier_fn = jax.jit(
+        jax.shard_map(lambda t: lax.psum(t, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    )
+
+    def barrier() -> float:
+        t0 = time.perf_counter()
+        barrier_fn(token).block_until_ready()
+        return time.perf_counter() - t0
+
+    names = [m for m in args.methods.split(",") if m]
+    steps, states, wire, state_bytes, losses = {}, {}, {}, {}, {}
+    for name in names:
+        step, state = jc.make_train_step(mesh, "dp", loss_fn, make_tx(name, "dp"), params)
+        compiled = step.lower(state, batch).compile()
+        wire[name] = wire_bytes(compiled.as_text())
+        state_bytes[name] = sum(
+            x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.opt_state)
+        )
+        steps[name], states[name], losses[name] = compiled, state, []
+
+    def run(name):
+        states[name], loss = steps[name](states[name], batch)
+        jax.block_until_ready((states[name], loss))
+        losses[name].append(float(loss))
+
+    times: dict[str, list[float]] = {name: [] for name in names}
+    times["barrier"] = []
+    for name in names:
+        for _ in range(WARMUP):
+            barrier()
+            run(name)
+    for _ in range(args.repeats):  # rounds: a burst of load hits every method alike
+        for name in names:
+            times["barrier"].append(barrier())
+            t0 = time.perf_counter()
+            run(name)
+            times[name].append(time.perf_counter() - t0)
+    for name in names:
+        print(f"rank {rank} {name}: {[round(t, 4) for t in times[name]]}", flush=True)
+    result = dict(
+        rank=rank,
+        num_processes=n,
+        numel=numel,
+        times=times,
+        wire=wire,
+        state_bytes=state_bytes,
+        losses=losses,
+    )
+    Path(args.worker, f"rank{rank}.json").write_text(json.dumps(result))
+    barrier()
+    jax.distributed.shutdown()
+
+
+def _summarize(ranks: list[dict], args: argparse.Namespace, shaped: bool) -> dict:
+    def slowest_median(name: str) -> float:
+        per_run = [max(r["times"][name][i] for r in ranks) for i in range(args.repeats)]
+        return statistics.median(per_run)
+
+    names = [k for k in ranks[0]["times"] if k != "barrier"]
+    medians = {name: slowest_median(name) for name in names}
+    base = medians.get("fp32")
+    wire = ranks[0]["wire"]
+    return {
+        "numel": ranks[0]["numel"],
+        "num_processes": ranks[0]["num_processes"],
+        "rate": args.rate if shaped else None,
+        "repeats": args.repeats,
+        "median_s": medians,
+        "barrier_median_s": slowest_median("barrier"),
+        "speedup_vs_fp32": {k: base / medians[k] for k in names} if base else {},
+        "wire_bytes_per_device": wire,
+        "opt_state_bytes_per_device": ranks[0]["state_bytes"],
+        "losses_rank0": ranks[0]["losses"],
+        "times_s": {r["rank"]: r["times"] for r in ranks},
+    }
+
+
+def _table(s: dict) -> str:
+    link = s["rate"] or "unshaped loopback"
+    rows = [
+        f"{s['num_processes']} processes, MLP of {s['numel'] / 1e6:.1f}M fp32 params, Adam, "
+        f"link: {link}, median step of {s['repeats']} "
+        f"(barrier {s['barrier_median_s'] * 1e3:.1f} ms)",
+        f"{'method':<46}{'step (s)':>10}{'wire/device':>14}{'opt state/dev':>15}{'speedup':>9}",
+    ]
+    for name, median in s["median_s"].items():
+        speed = s["speedup_vs_fp32"].get(name)
+        rows.append(
+            f"{METHODS[name]:<46}{median:>10.4f}"
+            f"{s['wire_bytes_per_device'][name] / 2**20:>10.2f} MiB"
+            f"{s['opt_state_bytes_per_device'][name] / 2**20:>11.1f} MiB"
+            + (f"{speed:>8.2f}x" if speed else "")
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+
+    from jaxcomm.launch import LaunchError, launch_local, network_shaping_problem
+
+    shaped = not args.no_shape
+    if shaped:
+        problem = network_shaping_problem(args.rate)
+        if problem:
+            print(f"SKIP: cannot shape the network ({problem}); rerun with --no-shape", flush=True)
+            return 0
+    with tempfile.TemporaryDirectory(prefix="jaxcomm-sharded-") as out:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", out]
+        cmd += ["--width", str(args.width), "--layers", str(args.layers)]
+        cmd += ["--batch", str(args.batch), "--repeats", str(args.repeats)]
+        cmd += ["--methods", args.methods]
+        result = launch_local(
+            2,
+            cmd,
+            env={"JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"},
+            timeout=args.timeout,
+            netns_rate=args.rate if shaped else None,
+            echo=True,
+        )
+        if not result.ok:
+            raise LaunchError(result)
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    summary = _summarize(ranks, args, shaped)
+    print(_table(summary), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

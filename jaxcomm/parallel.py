@@ -122,9 +122,9 @@ def _refuse_nnx_state(tree: PyTree) -> None:
         cls = type(node)
         return cls.__name__ == "State" and cls.__module__.startswith("flax.nnx")
 
-    # The State of a whole split object (or a tuple of them): inside NNX objects, States also
-    # hold param-shaped moments below the optax types, which is fine.
-    roots = tree if isinstance(tree, tuple | list) else (tree,)
+    # The State of a whole split object (or a plain tuple of them). Below the optax NamedTuples
+    # (which are tuples too), NNX keeps param-shaped moments as States: that is fine.
+    roots = tree if type(tree) in (tuple, list) else (tree,)
     if any(is_nnx_state(root) for root in roots):
         raise TypeError(
             "jaxcomm: state_partition_specs got a flax.nnx State, which has lost the optax "

@@ -691,16 +691,16 @@ def onebit_lamb(
       f_prev, (1 + factor_threshold) f_prev]`` (``f_prev`` starts at 1); ``p -= lr
       coeff_freeze f u``.
 
-    The returned optax update is ``-lr(count) * c * u`` (apply it with
-    ``optax.apply_updates``), in each parameter's dtype.
+    The returned optax update is ``-lr(count) * c * u`` with ``c = coeff_freeze f`` after the
+    switch (apply it with ``optax.apply_updates``), in each parameter's dtype.
 
     Like DeepSpeed there is no bias correction (DeepSpeed reads the flag and ignores it), and
     ``update`` always needs ``params`` (the trust ratio uses ``||p||``).
 
     Differences from DeepSpeed, on purpose: DeepSpeed's first ``step()`` only allocates buffers
-    (so it runs ``freeze_step - 1`` real warm-up updates and copies ``v_fresh`` one update
-    early); here every call is an update, there are exactly ``freeze_step`` warm-up updates and
-    ``v_fresh`` is ``v`` after the last of them. The error feedback is part of the state and
+    (so it runs ``freeze_step - 1`` real warm-up updates); here every call is an update and
+    there are exactly ``freeze_step`` warm-up updates (in both, ``v_fresh`` is ``v`` after the
+    last of them). The error feedback is part of the state and
     survives checkpoints (DeepSpeed drops it on load, and restarts the warm-up coefficients when
     loading a warm-up checkpoint; here a resumed run is the uninterrupted run). A leaf whose
     momentum is all zero at the switch gets ``scaling_coeff = 1`` (DeepSpeed divides by zero)

@@ -64,6 +64,7 @@ from jaxcomm.parallel import (
     to_pmap_layout,
     train_state_specs,
 )
+from jaxcomm.resize import resize_state
 from jaxcomm.sharded import ShardedState, sharded
 
 __version__ = "0.1.0"
@@ -101,6 +102,7 @@ __all__ = [
     "compressed_psum_scatter",
     "init_distributed",
     "init_state",
+    "resize_state",
     "shard_shapes",
     # tooling
     "CommsReport",

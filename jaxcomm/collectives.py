@@ -11,6 +11,11 @@ with ``in_specs``/``out_specs`` ``P(axis_name)`` (globally: the per-device state
 along axis 0) or through ``pmap`` stacked on a leading axis. The state's bucket layout depends on
 the tree, the axis size and ``bucket_bytes``; a state built for anything else is refused with an
 error naming the mismatch.
+
+Non-finite input. A NaN or Inf gradient makes the output non-finite (so loss scaling or
+skip-step logic sees it), but it never reaches the error feedback: when a call's compressed
+output or its new error state is not finite, every bucket state keeps its previous (finite)
+value and the state's ``nonfinite`` counter (per device, int32 ``(1,)``) goes up by one.
 """
 
 from __future__ import annotations
@@ -33,15 +38,24 @@ StateOp = Literal["all_reduce", "reduce_scatter"]
 
 
 class ReduceState(NamedTuple):
-    """Error feedback of :func:`compressed_psum` / :func:`compressed_pmean`, one per bucket."""
+    """Error feedback of :func:`compressed_psum` / :func:`compressed_pmean`, one per bucket.
+
+    Attributes:
+      buckets: one compressor state per bucket.
+      nonfinite: int32 ``(1,)``: calls whose output or new state was not finite, so the
+        bucket states were kept unchanged (``()`` when no bucket has error feedback).
+    """
 
     buckets: tuple
+    nonfinite: Any = ()
 
 
 class ScatterState(NamedTuple):
-    """Error feedback of :func:`compressed_psum_scatter`, one entry per bucket."""
+    """Error feedback of :func:`compressed_psum_scatter`, one entry per bucket; ``nonfinite``
+    as in :class:`ReduceState`."""
 
     buckets: tuple
+    nonfinite: Any = ()
 
 
 _STATE_TYPES = {"all_reduce": ReduceState, "reduce_scatter": ScatterState}
@@ -61,6 +75,14 @@ def _bucket_state(compressor: Compressor, bucket: Bucket, axis_size: int, op: St
     if bucket.exact or bucket.numel == 0:
         return ()
     return compressor.init_bucket_state(bucket, axis_size, op)
+
+
+def _new_state(compressor: Compressor, buckets, axis_size: int, op: StateOp):
+    states = tuple(_bucket_state(compressor, b, axis_size, op) for b in buckets)
+    # The non-finite counter exists only where there is error feedback to protect, so exact
+    # compressors keep a leafless state (and accept None).
+    counter = jnp.zeros((1,), jnp.int32) if jax.tree_util.tree_leaves(states) else ()
+    return _STATE_TYPES[op](states, counter)
 
 
 def init_state(
@@ -90,16 +112,13 @@ def init_state(
     if not isinstance(axis_size, int | np.integer) or axis_size < 1:
         raise ValueError(f"jaxcomm: axis_size must be a positive int, got {axis_size!r}")
     _, _, buckets = _plan(tree, compressor, bucket_bytes)
-    states = tuple(_bucket_state(compressor, b, int(axis_size), op) for b in buckets)
-    return _STATE_TYPES[op](states)
+    return _new_state(compressor, buckets, int(axis_size), op)
 
 
 def _check_state(state, compressor, buckets, axis_name, axis_size, op: StateOp, bucket_bytes):
     """Refuse, at trace time, a state that was built for another tree, axis or bucket size."""
     state_type = _STATE_TYPES[op]
-    expected = jax.eval_shape(
-        lambda: state_type(tuple(_bucket_state(compressor, b, axis_size, op) for b in buckets))
-    )
+    expected = jax.eval_shape(lambda: _new_state(compressor, buckets, axis_size, op))
     if state is None and not jax.tree_util.tree_leaves(expected):
         return expected  # stateless (NoCompression, or only exact leaves): None is accepted
     other = {v: k for k, v in _STATE_TYPES.items()}
@@ -154,7 +173,7 @@ def _all_reduce(tree, state, *, axis_name, compressor, bucket_bytes, mean):
         state, compressor, buckets, axis_name, axis_size, "all_reduce", bucket_bytes
     )
     out: list = [None] * len(leaves)
-    new_states = []
+    new_states, outputs = [], []
     for bucket, bucket_state in zip(buckets, checked.buckets, strict=True):
         flat = bucketing.flatten_bucket(leaves, bucket)
         if bucket.exact:
@@ -167,17 +186,38 @@ def _all_reduce(tree, state, *, axis_name, compressor, bucket_bytes, mean):
                 flat, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size, mean=mean
             )
             dtypes = None
+            outputs.append(reduced)
         for i, leaf in zip(
             bucket.leaf_ids, bucketing.unflatten_bucket(reduced, bucket, dtypes), strict=True
         ):
             out[i] = leaf
         new_states.append(bucket_state)
-    return jax.tree_util.tree_unflatten(treedef, out), _restate(state, new_states)
+    return jax.tree_util.tree_unflatten(treedef, out), _restate(state, new_states, outputs)
 
 
-def _restate(state, new_states):
+def _restate(state, new_states, outputs):
+    """The new state, or the old one (counted in ``nonfinite``) if anything is not finite.
+
+    ``outputs`` are the compressed buckets' results. Under normal propagation a non-finite
+    input on any device makes the (replicated) all-reduce output non-finite everywhere, so all
+    devices keep their states together; a device whose own new state is non-finite keeps its
+    state even if the output happens to be finite (e.g. a NaN that top-k did not pick).
+    """
     # A stateless call (state=None) returns None, so users can keep passing None.
-    return None if state is None else type(state)(tuple(new_states))
+    if state is None:
+        return None
+    new_states = tuple(new_states)
+    if not jax.tree_util.tree_leaves(state.buckets):
+        return type(state)(new_states, state.nonfinite)
+    checks = [jnp.all(jnp.isfinite(x)) for x in outputs]
+    checks += [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree_util.tree_leaves(new_states)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    finite = jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
+    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_states, state.buckets)
+    return type(state)(kept, state.nonfinite + jnp.where(finite, 0, 1).astype(jnp.int32))
 
 
 def compressed_psum(
@@ -243,7 +283,7 @@ def _reduce_scatter(tree, state, *, axis_name, compressor, bucket_bytes, mean):
         state, compressor, buckets, axis_name, axis_size, "reduce_scatter", bucket_bytes
     )
     out: list = [None] * len(leaves)
-    new_states = []
+    new_states, outputs = [], []
     for bucket, bucket_state in zip(buckets, checked.buckets, strict=True):
         rows = bucketing.flatten_bucket_rank_major(leaves, bucket, axis_size)
         dtypes = bucket.dtypes
@@ -260,12 +300,13 @@ def _reduce_scatter(tree, state, *, axis_name, compressor, bucket_bytes, mean):
             row, bucket_state = compressor.reduce_scatter_bucket(
                 rows, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size, mean=mean
             )
+            outputs.append(row)
         for i, shard, dtype in zip(
             bucket.leaf_ids, bucketing.split_shard(row, bucket, axis_size), dtypes, strict=True
         ):
             out[i] = shard.astype(dtype)
         new_states.append(bucket_state)
-    return jax.tree_util.tree_unflatten(treedef, out), _restate(state, new_states)
+    return jax.tree_util.tree_unflatten(treedef, out), _restate(state, new_states, outputs)
 
 
 def compressed_psum_scatter(

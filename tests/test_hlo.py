@@ -104,8 +104,9 @@ def test_buckets_are_independent_chains(mesh):
         jax.tree.map(lambda s: jnp.zeros((N * s.shape[0],), s.dtype), state),
     )
     inner = jaxpr.jaxpr.eqns[0].params["jaxpr"]
-    # Trace data dependence from bucket 0 (leaf a, its two error buffers) and bucket 1 (b, ...).
-    a, b, *errors = inner.invars[-6:]  # leading invars are hoisted constants
+    # Trace data dependence from bucket 0 (leaf a, its two error buffers) and bucket 1 (b, ...);
+    # the state's last leaf is its non-finite counter.
+    a, b, *errors, _ = inner.invars[-7:]  # leading invars are hoisted constants
     origin = {a: {0}, b: {1}, errors[0]: {0}, errors[1]: {0}, errors[2]: {1}, errors[3]: {1}}
     collectives = []
     for eqn in inner.eqns:

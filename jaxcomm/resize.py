@@ -1,0 +1,250 @@
+"""Moving per-device error feedback onto a different number of devices (elastic restarts).
+
+A checkpoint saved on ``n`` devices holds ``n`` error-feedback states whose shapes depend on
+``n`` (1-bit pads to ``8n``, server residuals are cut into ``n`` chunks, reduce-scatter rows
+are ``ceil(numel / n)`` long). Restored as-is onto ``m != n`` devices, the collectives refuse it
+at trace time (the state check names the axis size). :func:`resize_state` converts it.
+
+What is preserved. The error feedback is gradient information not yet transmitted. For every
+bucket of ``N`` elements, its **pending sum** is the vector ``T`` (in the bucket's real,
+unpadded coordinates, in the units of ``compressed_psum``) such that, over any run of steps
+with inputs ``x_t`` on each device,
+
+    ``sum_t psum_output_t == sum_t sum_r x_{t,r} + T_start - T_end``.
+
+Per state type (device ``r`` of ``n``; worker residuals are in the units of one device's input,
+server residuals in the units of the mean):
+
+* ``OneBitState`` / ``TwoStageState`` (Quantize, Cast): ``T = sum_r w_r[:N] + n * S[:N]``
+  with ``S = concat_r server_error_r`` (server chunk ``r`` covers ``[r c, (r+1) c)``);
+  the residual in padding positions is not gradient information and is dropped.
+* ``TopKState``, ``PowerSGDState``: ``T = sum_r e_r`` (PowerSGD's ``q`` and ``step`` are
+  the same on every device and are kept).
+* Reduce-scatter states (``OneBitScatterState``, ``TwoStageScatterState``, ``TopKState``):
+  worker residuals in the rank-major layout of ``n`` rows, mapped back to real coordinates.
+
+:func:`resize_state` computes ``T`` on the old layout and gives each of the ``m`` new devices
+``T / m`` as its worker residual (server residuals start at zero), so ``T`` is exactly
+preserved (up to fp32 rounding) and the identity above holds across the restart. With
+``compressed_pmean`` this means the untransmitted gradients keep their weight in the *sum*: as
+each device's gradient now counts ``1/m`` of the mean, so does theirs. A state type it does not
+know (your own compressor), or ``reset=True``, gives zeros with a ``UserWarning`` saying what
+was dropped. The non-finite counter of every new device is the largest old one.
+
+Layouts: ``"stacked"`` (``(n, *local)`` per leaf: :mod:`jaxcomm.parallel`'s global layout and
+pmap's) or ``"concatenated"`` (``(n * local_len,)``: the ``shard_map`` ``P(axis)`` layout of the
+collectives' examples). Everything runs on the host, in NumPy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from jaxcomm.bucketing import Bucket
+from jaxcomm.collectives import _STATE_TYPES, _plan, init_state
+from jaxcomm.compressors import (
+    Compressor,
+    OneBitScatterState,
+    OneBitState,
+    PowerSGDState,
+    TopKState,
+    TwoStageScatterState,
+    TwoStageState,
+)
+
+PyTree = Any
+Layout = Literal["stacked", "concatenated"]
+
+
+def _rank_major_to_real(rows: np.ndarray, bucket: Bucket, n: int) -> np.ndarray:
+    """``(n, >= C)`` rank-major rows -> the bucket's ``(N,)`` concatenated coordinates."""
+    parts, offset = [], 0
+    for size, c in zip(bucket.sizes, bucket.shard_sizes(n), strict=True):
+        parts.append(rows[:, offset : offset + c].reshape(n * c)[:size])
+        offset += c
+    return np.concatenate(parts) if parts else np.zeros((0,), rows.dtype)
+
+
+def _real_to_rank_major(flat: np.ndarray, bucket: Bucket, n: int, row_length: int) -> np.ndarray:
+    """Inverse of :func:`_rank_major_to_real`, zero-padded to ``(n, row_length)``."""
+    rows = np.zeros((n, row_length), flat.dtype)
+    offset, start = 0, 0
+    for size, c in zip(bucket.sizes, bucket.shard_sizes(n), strict=True):
+        leaf = np.zeros((n * c,), flat.dtype)
+        leaf[:size] = flat[start : start + size]
+        rows[:, offset : offset + c] = leaf.reshape(n, c)
+        offset += c
+        start += size
+    return rows
+
+
+def pending_sum(states: Sequence[Any], bucket: Bucket, op: str) -> np.ndarray | None:
+    """The pending sum ``T`` (float64, ``(N,)``) of one bucket's ``n`` per-device states, or
+    ``None`` for a state type without a known layout."""
+    n = len(states)
+    numel = bucket.numel
+    first = states[0]
+    if isinstance(first, OneBitState | TwoStageState):
+        worker = sum(np.asarray(s.worker_error, np.float64)[:numel] for s in states)
+        server = np.concatenate([np.asarray(s.server_error, np.float64) for s in states])
+        return worker + n * server[:numel]
+    if isinstance(first, PowerSGDState):
+        return sum(np.asarray(s.error, np.float64) for s in states)
+    if isinstance(first, OneBitScatterState | TwoStageScatterState | TopKState):
+        errors = [
+            np.asarray(s.worker_error if not isinstance(s, TopKState) else s.error, np.float64)
+            for s in states
+        ]
+        if isinstance(first, TopKState) and op == "all_reduce":
+            return sum(errors)
+        return sum(_rank_major_to_real(e.reshape(n, -1), bucket, n) for e in errors)
+    return None
+
+
+def _spread(template: Any, total: np.ndarray, bucket: Bucket, m: int, op: str, old) -> Any:
+    """One new device's bucket state carrying ``total / m`` (``template``: its zeros)."""
+    share = (total / m).astype(np.float32)
+    if isinstance(template, OneBitState | TwoStageState):
+        worker = np.zeros(template.worker_error.shape, np.float32)
+        worker[: bucket.numel] = share
+        return type(template)(worker, np.zeros(template.server_error.shape, np.float32))
+    if isinstance(template, PowerSGDState):
+        return PowerSGDState(
+            error=share,
+            q=np.asarray(old[0].q),
+            step=np.max([np.asarray(s.step) for s in old], axis=0),
+        )
+    if isinstance(template, TopKState) and op == "all_reduce":
+        return TopKState(share)
+    field = template.error if isinstance(template, TopKState) else template.worker_error
+    row_length = field.shape[0] // m
+    rows = _real_to_rank_major(share, bucket, m, row_length).reshape(-1)
+    return type(template)(rows)
+
+
+def _split(state: PyTree, n: int, layout: Layout) -> list[PyTree]:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        shape = np.shape(leaf)
+        if not shape or (shape[0] != n if layout == "stacked" else shape[0] % n):
+            raise ValueError(
+                f"jaxcomm: resize_state: state leaf {jax.tree_util.keystr(path)} has global shape "
+                f"{shape}, which is not {n} per-device states in the {layout!r} layout (was it "
+                "saved with another axis_size, or in the other layout?)"
+            )
+    if layout == "stacked":
+        return [jax.tree.map(lambda x, r=r: np.asarray(x)[r], state) for r in range(n)]
+    if layout == "concatenated":
+        return [
+            jax.tree.map(lambda x, r=r: np.asarray(x).reshape(n, -1)[r], state) for r in range(n)
+        ]
+    raise ValueError(f"jaxcomm: layout must be 'stacked' or 'concatenated', got {layout!r}")
+
+
+def _join(states: list[PyTree], layout: Layout) -> PyTree:
+    if layout == "stacked":
+        return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *states)
+    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *states)
+
+
+def _check(states: list[PyTree], expected: PyTree, n: int) -> None:
+    want = [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(expected)]
+    want_struct = jax.tree.structure(expected)
+    for r, s in enumerate(states):
+        if jax.tree.structure(s) != want_struct:
+            raise ValueError(
+                f"jaxcomm: resize_state: device {r}'s state has structure "
+                f"{jax.tree.structure(s)}, expected {want_struct} for this tree, compressor and "
+                f"bucket_bytes on {n} devices"
+            )
+        for (path, got), w in zip(jax.tree_util.tree_leaves_with_path(s), want, strict=True):
+            if (tuple(np.shape(got)), np.asarray(got).dtype) != w:
+                raise ValueError(
+                    f"jaxcomm: resize_state: state leaf {jax.tree_util.keystr(path)} has "
+                    f"per-device shape {np.shape(got)} {np.asarray(got).dtype}, expected "
+                    f"{w[0]} {w[1]} for this tree, compressor and bucket_bytes on {n} devices "
+                    "(was it saved with another axis_size, tree or bucket_bytes?)"
+                )
+
+
+def resize_state(
+    state: PyTree,
+    compressor: Compressor,
+    tree: PyTree,
+    *,
+    axis_size: int,
+    new_axis_size: int,
+    bucket_bytes: int | None = None,
+    op: str = "all_reduce",
+    layout: Layout = "stacked",
+    reset: bool = False,
+) -> PyTree:
+    """Convert the error feedback of ``axis_size`` devices into that of ``new_axis_size``.
+
+    Args:
+      state: the global ``jc.ReduceState`` / ``jc.ScatterState`` of ``axis_size`` devices (as
+        saved: host or device arrays), in ``layout``.
+      compressor, tree, bucket_bytes, op: as given to :func:`jaxcomm.init_state`.
+      axis_size: devices the state was saved on.
+      new_axis_size: devices it will run on.
+      layout: ``"stacked"`` (``(n, *local)``) or ``"concatenated"`` (``(n * local_len,)``).
+      reset: drop the error feedback instead (zeros, with a warning).
+
+    Returns:
+      The state for ``new_axis_size`` devices in the same layout (NumPy arrays), whose pending
+      sum (module docstring) equals the old one. Raises ``ValueError`` if ``state`` does not
+      fit ``tree``/``compressor``/``bucket_bytes``/``op`` on ``axis_size`` devices.
+    """
+    for name, value in (("axis_size", axis_size), ("new_axis_size", new_axis_size)):
+        if not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"jaxcomm: {name} must be a positive int, got {value!r}")
+    n, m = int(axis_size), int(new_axis_size)
+    if state is None:
+        return None
+    old_template = init_state(compressor, tree, axis_size=n, bucket_bytes=bucket_bytes, op=op)
+    new_template = init_state(compressor, tree, axis_size=m, bucket_bytes=bucket_bytes, op=op)
+    if type(state) is not _STATE_TYPES[op]:
+        raise ValueError(
+            f"jaxcomm: resize_state: got a {type(state).__name__}, expected "
+            f"{_STATE_TYPES[op].__name__} for op={op!r}"
+        )
+    states = _split(state, n, layout)
+    _check(states, old_template, n)
+    if not jax.tree.leaves(new_template):
+        return new_template  # nothing per device
+    _, _, buckets = _plan(tree, compressor, bucket_bytes)
+    new_buckets: list[list[Any]] = [[] for _ in range(m)]
+    dropped = []
+    for k, bucket in enumerate(buckets):
+        old = [s.buckets[k] for s in states]
+        template = jax.tree.map(np.asarray, new_template.buckets[k])
+        total = None if reset or not jax.tree.leaves(template) else pending_sum(old, bucket, op)
+        if total is None and jax.tree.leaves(template):
+            dropped.append(f"bucket {k} ({type(template).__name__})")
+        for r in range(m):
+            new_buckets[r].append(
+                template if total is None else _spread(template, total, bucket, m, op, old)
+            )
+    if dropped:
+        why = "reset=True" if reset else "no known layout for this state type"
+        warnings.warn(
+            f"jaxcomm: resize_state from {n} to {m} devices reset the error feedback of "
+            f"{', '.join(dropped)} ({why}): its untransmitted gradient information is lost",
+            UserWarning,
+            stacklevel=2,
+        )
+    counter = max(int(np.max(np.asarray(s.nonfinite))) for s in states)
+    new_states = [
+        type(state)(
+            tuple(new_buckets[r]), np.full(np.shape(new_template.nonfinite), counter, np.int32)
+        )
+        for r in range(m)
+    ]
+    return _join(new_states, layout)
+
+
+__all__: Sequence[str] = ("resize_state", "pending_sum")

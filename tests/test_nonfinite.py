@@ -1,0 +1,139 @@
+"""NaN/Inf gradients reach the output but never the error feedback (jaxcomm.collectives guard).
+
+Every compressor: a step with a NaN on one device, then one with an Inf on another, produce a
+non-finite output (so loss scaling sees it), leave the state exactly as it was after the last
+finite step, and count themselves in ``state.nonfinite``; the next finite step then gives
+bit for bit what it gives straight after the last finite step (nothing was poisoned).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import NUM_DEVICES
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm as jc
+
+N = NUM_DEVICES
+SHAPES = {"w": (6, 7), "b": (5,)}  # w is low-rank compressed by PowerSGD
+
+COMPRESSORS = [
+    pytest.param(jc.OneBit(), id="onebit"),
+    pytest.param(jc.Quantize(bits=8, error_feedback=True), id="int8-ef"),
+    pytest.param(jc.Quantize(bits=4, block_size=8, error_feedback=True), id="int4-ef"),
+    pytest.param(jc.Cast(jnp.float16, error_feedback=True), id="fp16-ef"),
+    pytest.param(jc.PowerSGD(rank=1), id="powersgd"),
+    pytest.param(jc.TopK(fraction=0.25), id="topk"),
+]
+
+
+def data(seed, bad=None):
+    rng = np.random.default_rng(seed)
+    tree = {k: rng.normal(size=(N, *s)).astype(np.float32) for k, s in SHAPES.items()}
+    if bad is not None:
+        device, value = bad
+        tree["w"][device, 2, 3] = value
+    return tree
+
+
+def make_step(mesh, comp, op):
+    local = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+    if op == "all_reduce":
+        body = lambda t, s: jc.compressed_pmean(  # noqa: E731
+            jax.tree.map(lambda x: x[0], t), s, axis_name="dp", compressor=comp
+        )
+        out_spec = P()
+    else:
+        body = lambda t, s: jc.compressed_pmean_scatter(  # noqa: E731
+            jax.tree.map(lambda x: x[0], t), s, axis_name="dp", compressor=comp
+        )
+        out_spec = P("dp")
+    state = jc.init_state(comp, local, axis_size=N, op=op)
+    gstate = jax.tree.map(lambda s: jnp.concatenate([s] * N), state)
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=(out_spec, P("dp")))
+    )
+    return fn, gstate
+
+
+def host(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def bad_devices(scattered):
+    """Per device: 1 if its rows of a reduce-scatter output are not all finite."""
+    rows = [np.asarray(x).reshape(N, -1) for x in jax.tree.leaves(scattered)]
+    return np.any([~np.isfinite(r).all(axis=1) for r in rows], axis=0).astype(int)
+
+
+def finite(tree):
+    return all(np.isfinite(x).all() for x in host(tree))
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("comp", COMPRESSORS)
+def test_nonfinite_step_keeps_the_state_and_is_counted(mesh, comp, op):
+    step, s0 = make_step(mesh, comp, op)
+    assert np.asarray(s0.nonfinite).shape == (N,) and not np.asarray(s0.nonfinite).any()
+    out1, s1 = step(data(1), s0)
+    _, s1b = step(data(2), s1)
+    assert finite(out1) and finite(s1)
+    assert any(  # the finite step really moves the error feedback (else "kept" is vacuous)
+        not np.array_equal(a, b) for a, b in zip(host(s1.buckets), host(s1b.buckets), strict=True)
+    )
+
+    out_nan, s2 = step(data(2, bad=(3, np.nan)), s1)
+    out_inf, s3 = step(data(3, bad=(5, np.inf)), s2)
+    for out in (out_nan, out_inf):
+        assert not finite(out), "a non-finite gradient must reach the output"
+    counts = np.asarray(s3.nonfinite)
+    if op == "all_reduce":
+        # The output is replicated, so every device sees it and keeps its state.
+        np.testing.assert_array_equal(counts, np.full(N, 2))
+        for got, want in zip(host(s3.buckets), host(s1.buckets), strict=True):
+            np.testing.assert_array_equal(got, want)
+    else:
+        # Scatter outputs are per device: a device keeps its state (and counts the step) when
+        # its own row or its own new state is non-finite.
+        bad_rows = sum(bad_devices(out) for out in (out_nan, out_inf))
+        assert (counts >= bad_rows).all() and counts.max() <= 2 and bad_rows.max() >= 1
+        for got, want in zip(host(s3.buckets), host(s1.buckets), strict=True):
+            rows_got, rows_want = got.reshape(N, -1), want.reshape(N, -1)
+            for r in np.flatnonzero(counts == 2):
+                np.testing.assert_array_equal(rows_got[r], rows_want[r])
+    assert finite(s3.buckets), "the error feedback was poisoned"
+
+    # Nothing was lost: the next finite step equals the same step taken right after s1.
+    out4, s4 = step(data(4), s3)
+    if op == "all_reduce":
+        ref_out, ref_s = step(data(4), s1)
+        for got, want in zip(host((out4, s4.buckets)), host((ref_out, ref_s.buckets)), strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert finite(out4) and finite(s4)
+    np.testing.assert_array_equal(np.asarray(s4.nonfinite), counts)
+
+
+@pytest.mark.parametrize(
+    "comp", [jc.NoCompression(), jc.Quantize(bits=8), jc.Cast(jnp.bfloat16)], ids=str
+)
+def test_stateless_compressors_propagate_nonfinite(mesh, comp):
+    step, s0 = make_step(mesh, comp, "all_reduce")
+    assert not jax.tree.leaves(s0)  # nothing to protect: no counter either
+    for bad in ((0, np.nan), (7, -np.inf)):
+        out, s = step(data(0, bad=bad), s0)
+        assert not np.isfinite(out["w"]).all() and np.isfinite(out["b"]).all()
+        assert not jax.tree.leaves(s)
+
+
+def test_overflow_to_inf_is_treated_as_nonfinite(mesh):
+    """Finite but huge inputs whose 1-bit scale overflows: the state is kept, the step counted."""
+    step, s0 = make_step(mesh, jc.OneBit(), "all_reduce")
+    _, s1 = step(data(1), s0)
+    huge = jax.tree.map(lambda x: x * np.float32(5e37), data(2))
+    assert finite(huge)
+    out, s2 = step(huge, s1)
+    assert not finite(out)
+    np.testing.assert_array_equal(np.asarray(s2.nonfinite), np.ones(N))
+    for got, want in zip(host(s2.buckets), host(s1.buckets), strict=True):
+        np.testing.assert_array_equal(got, want)

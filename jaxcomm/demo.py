@@ -231,6 +231,8 @@ def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], No
     import jax.numpy as jnp
     import optax
     from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxcomm import parallel
 
@@ -244,7 +246,19 @@ def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], No
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     tx, kind_of = _optimizer(method, cfg, axis)
+    # Host copies: under jax.distributed the step's state must be built from process-agnostic data.
+    params = jax.tree.map(np.asarray, params)
     step, state = parallel.make_train_step(mesh, axis, loss_fn, tx, params)
+    batch_sharding = NamedSharding(mesh, P(axis))
+
+    def global_batch(arrays):
+        # Every process draws the same global batch (same seed) and contributes its devices'
+        # rows: the same code runs on one process with 8 devices or on 8 processes with one.
+        return tuple(
+            jax.make_array_from_callback(a.shape, batch_sharding, lambda index, a=a: a[index])
+            for a in arrays
+        )
+
     held_inputs, held_targets = data.held_out(2048)
 
     @jax.jit
@@ -266,9 +280,9 @@ def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], No
     result = RunResult(method)
     start = time.perf_counter()
     for i in range(cfg.steps):
-        inputs, targets = data.sample(rng, (n * cfg.batch_per_device,))
+        batch = global_batch(data.sample(rng, (n * cfg.batch_per_device,)))
         result.kinds.append(kind_of(state.opt_state))
-        state, loss = step(state, (inputs, targets))
+        state, loss = step(state, batch)
         result.losses.append(float(loss))
         if (i + 1) % cfg.eval_every == 0 or i + 1 == cfg.steps:
             eval_loss, accuracy = evaluate(consensus(state))
@@ -364,8 +378,9 @@ def plot(results: list[RunResult], bytes_per_kind: dict[str, float], path: str) 
 
     fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in results:
-        smooth = np.convolve(r.losses, np.ones(20) / 20, mode="valid")
-        steps = np.arange(len(smooth)) + 20
+        window = max(1, min(20, len(r.losses)))
+        smooth = np.convolve(r.losses, np.ones(window) / window, mode="valid")
+        steps = np.arange(len(smooth)) + window
         cumulative = np.cumsum([bytes_per_kind[k] for k in r.kinds])
         by_step.plot(steps, smooth, label=r.method)
         by_bytes.plot(cumulative[steps - 1] / 1e6, smooth, label=r.method)
@@ -392,11 +407,16 @@ def run(cfg: DemoConfig, *, plot_path: str | None, json_path: str | None) -> lis
 
     from jaxcomm.textdata import CharBatches
 
-    n = min(cfg.devices, len(jax.devices()))
-    mesh = jax.make_mesh((n,), ("dp",), axis_types=(AxisType.Auto,))
+    if jax.process_count() > 1:
+        n = len(jax.devices())  # every process's devices
+        mesh = jax.make_mesh((n,), ("dp",), axis_types=(AxisType.Auto,))
+    else:
+        n = min(cfg.devices, len(jax.devices()))
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("dp",), axis_types=(AxisType.Auto,))
+    lead = jax.process_index() == 0
     data = CharBatches.from_corpus(context=cfg.context)
     results = []
-    with Progress() as bar:
+    with Progress(disable=not lead) as bar:
         for method in cfg.methods:
             task = bar.add_task(f"{method:>16}", total=cfg.steps)
             results.append(train(method, cfg, mesh, data, lambda k, t=task: bar.advance(t, k)))
@@ -405,6 +425,8 @@ def run(cfg: DemoConfig, *, plot_path: str | None, json_path: str | None) -> lis
     _, params = nnx.split(make_model(cfg, data.vocab_size), nnx.Param)
     bytes_per_kind = wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes)
     rows = summarize(results, bytes_per_kind)
+    if not lead:
+        return rows
     _print_table(rows, bytes_per_kind, n)
     if plot_path:
         plot(results, bytes_per_kind, plot_path)
@@ -450,13 +472,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default="demo.png", help="PNG path ('' to skip)")
     parser.add_argument("--json", default=None, help="also write results as JSON")
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jc.init_distributed() first (one process per rank, e.g. under "
+        "`jaxcomm launch -n 2 -m jaxcomm.cli demo --distributed`, torchrun or SLURM); the mesh "
+        "spans every process's devices",
+    )
 
 
 def main_from_args(args: argparse.Namespace) -> int:
     """Entry point of ``jaxcomm demo`` (see :func:`add_arguments`)."""
-    if "JAX_NUM_CPU_DEVICES" not in os.environ:
-        import jax
+    import jax
 
+    if args.distributed:
+        from jaxcomm.distributed import init_distributed
+
+        init_distributed()
+    elif "JAX_NUM_CPU_DEVICES" not in os.environ:
         jax.config.update("jax_num_cpu_devices", args.devices)
     cfg = DemoConfig(
         steps=args.steps,

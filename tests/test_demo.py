@@ -90,3 +90,50 @@ def test_training_learns_and_the_table_adds_up(tiny_run, tmp_path):
     path = tmp_path / "demo.png"
     demo.plot(results, per_kind, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_under_jax_distributed_matches_one_process(tmp_path):
+    """2 processes x 4 devices (gloo) train exactly like 1 process x 8 devices."""
+    import json
+    import os
+    import socket
+    import sys
+    from pathlib import Path
+
+    from jaxcomm.launch import launch_local
+
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+    except OSError as e:  # pragma: no cover
+        pytest.skip(f"cannot bind on 127.0.0.1: {e}")
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "dist.json"
+    argv = [sys.executable, "-m", "jaxcomm.cli", "demo", "--distributed", "--steps", "6"]
+    argv += ["--batch", "8", "--warmup-fraction", "0.5", "--methods", "adam,onebit_adam"]
+    argv += ["--plot", "", "--json", str(out)]
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    result = launch_local(
+        2,
+        argv,
+        env={
+            "JAX_NUM_CPU_DEVICES": "4",
+            "XLA_FLAGS": " ".join(flags),
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": str(repo),
+        },
+        cwd=str(tmp_path),
+        timeout=240,
+    )
+    assert result.ok, result.describe() + "\n" + result.output[-3000:]
+    runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
+
+    cfg = demo.DemoConfig(
+        steps=6, batch_per_device=8, warmup_fraction=0.5, methods=("adam", "onebit_adam")
+    )
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(AxisType.Auto,))
+    data = CharBatches.from_corpus(context=cfg.context)
+    for method in cfg.methods:
+        local = demo.train(method, cfg, mesh, data)
+        assert runs[method]["kinds"] == local.kinds
+        np.testing.assert_allclose(runs[method]["losses"], local.losses, rtol=1e-4)

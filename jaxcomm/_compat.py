@@ -56,8 +56,9 @@ def ensure_varying(x: jax.Array, axis_name: str) -> jax.Array:
         return x
     try:
         return lax.pcast(x, missing, to="varying")
-    except (ValueError, TypeError, NameError):
-        # pmap and shard_map(check_vma=False) carry no varying-ness types.
+    except (ValueError, TypeError, NameError, AssertionError):
+        # pmap, vmap(axis_name=...) and shard_map(check_vma=False) carry no varying-ness types
+        # (under vmap inside lax.cond, pcast fails an internal assertion instead).
         return x
 
 

@@ -364,3 +364,23 @@ def test_tuple_of_mesh_axes_reduces_over_both(compressor):
         else:
             expected = tree["g"].mean(0)
         np.testing.assert_allclose(out["g"], expected, rtol=2e-5, atol=1e-6)
+
+
+def test_vmap_axis_matches_pmap_inside_an_optimizer_cond():
+    """jax.vmap(axis_name=...) binds an axis too; 1-bit inside onebit_adam's lax.cond works."""
+    grads = per_device_trees(110, {"g": (64,)})["g"]
+    tx = jc.onebit_adam(1e-2, freeze_step=1, axis_name="i", axis_size=N)
+    params = jnp.zeros(64)
+
+    def three_steps(g):
+        state = tx.init(params)
+        updates = []
+        for _ in range(3):
+            u, state = tx.update(g, state, params)
+            updates.append(u)
+        return jnp.stack(updates)
+
+    by_vmap = jax.vmap(three_steps, axis_name="i")(grads)
+    by_pmap = jax.pmap(three_steps, axis_name="i")(grads)
+    np.testing.assert_allclose(by_vmap, by_pmap, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(by_vmap[:, 2], by_vmap[:, 0])  # the 1-bit steps did something

@@ -50,7 +50,6 @@ from jaxcomm.optimizers import (
 )
 from jaxcomm.overlap import xla_flags
 from jaxcomm.parallel import (
-    PER_DEVICE_TYPES,
     TrainState,
     from_pmap_layout,
     global_view,
@@ -59,6 +58,7 @@ from jaxcomm.parallel import (
     make_pmap_train_step,
     make_train_step,
     params_of,
+    register_per_device_type,
     stack_per_device,
     state_partition_specs,
     to_pmap_layout,
@@ -118,8 +118,7 @@ __all__ = [
     "onebit_adam",
     "onebit_lamb",
     "zero_one_adam",
-    # data parallel
-    "PER_DEVICE_TYPES",
+    # data parallel (the live registry is jaxcomm.parallel.PER_DEVICE_TYPES)
     "TrainState",
     "from_pmap_layout",
     "global_view",
@@ -128,6 +127,7 @@ __all__ = [
     "make_pmap_train_step",
     "make_train_step",
     "params_of",
+    "register_per_device_type",
     "stack_per_device",
     "state_partition_specs",
     "to_pmap_layout",

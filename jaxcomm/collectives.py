@@ -186,7 +186,7 @@ def _all_reduce(tree, state, *, axis_name, compressor, bucket_bytes, mean):
                 flat, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size, mean=mean
             )
             dtypes = None
-            outputs.append(reduced)
+            outputs.extend(compressor.finite_probe(reduced, bucket_state))
         for i, leaf in zip(
             bucket.leaf_ids, bucketing.unflatten_bucket(reduced, bucket, dtypes), strict=True
         ):
@@ -209,12 +209,10 @@ def _restate(state, new_states, outputs):
     new_states = tuple(new_states)
     if not jax.tree_util.tree_leaves(state.buckets):
         return type(state)(new_states, state.nonfinite)
+    # ``outputs`` holds each compressed bucket's finite probe (Compressor.finite_probe): its
+    # output and new state, or a few elements that decide it (OneBit), so the check does not
+    # cost extra passes over buffers that are memory-bound to produce.
     checks = [jnp.all(jnp.isfinite(x)) for x in outputs]
-    checks += [
-        jnp.all(jnp.isfinite(x))
-        for x in jax.tree_util.tree_leaves(new_states)
-        if jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
     finite = jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
     kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_states, state.buckets)
     return type(state)(kept, state.nonfinite + jnp.where(finite, 0, 1).astype(jnp.int32))
@@ -300,7 +298,7 @@ def _reduce_scatter(tree, state, *, axis_name, compressor, bucket_bytes, mean):
             row, bucket_state = compressor.reduce_scatter_bucket(
                 rows, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size, mean=mean
             )
-            outputs.append(row)
+            outputs.extend(compressor.finite_probe(row, bucket_state))
         for i, shard, dtype in zip(
             bucket.leaf_ids, bucketing.split_shard(row, bucket, axis_size), dtypes, strict=True
         ):

@@ -62,6 +62,16 @@ class Compressor(abc.ABC):
     ) -> tuple[jax.Array, Any]:
         """Row ``axis_index`` of the sum (or mean) of ``rows`` over the axis, and the new state."""
 
+    def finite_probe(self, output: jax.Array, state: Any) -> list[jax.Array]:
+        """Arrays that are all finite iff a bucket's ``output`` and new ``state`` are.
+
+        The non-finite guard of :mod:`jaxcomm.collectives` checks these. The default is the
+        output and every floating state leaf; a compressor whose non-finite values always
+        spread through a scale (OneBit) returns a few elements instead.
+        """
+        leaves = jax.tree_util.tree_leaves(state)
+        return [output, *(x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact))]
+
     def all_gather(self, row: jax.Array, *, axis_name: str, axis_size: int) -> jax.Array:
         """Every device's row, stacked ``(n, C)``. Exact unless a compressor overrides it."""
         return all_gather_replicated(row, axis_name)
@@ -192,6 +202,18 @@ class OneBit(Compressor):
     chunk, so there is no server residual). All-gather is exact: 1-bit weights would destroy
     them, and weights carry no error feedback.
     """
+
+    def finite_probe(self, output, state) -> list[jax.Array]:
+        # A non-finite input makes a scale (an L2 norm) non-finite, and every element of a chunk
+        # is scale * sign: one element per output chunk and the first element of each error
+        # buffer decide finiteness exactly, without another pass over the buffers.
+        probes = [x[:1] for x in state]
+        if isinstance(state, OneBitState):
+            step = state.server_error.shape[0]
+            probes.append(output[::step])
+        else:
+            probes.append(output[:1])
+        return probes
 
     def init_all_reduce_state(self, numel: int, axis_size: int) -> OneBitState:
         padded = _padded_length(numel, axis_size)

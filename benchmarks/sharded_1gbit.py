@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -229,30 +228,22 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args)
         return 0
 
-    from jaxcomm.launch import LaunchError, launch_local, network_shaping_problem
+    from _two_ranks import run_two_ranks
 
     shaped = not args.no_shape
-    if shaped:
-        problem = network_shaping_problem(args.rate)
-        if problem:
-            print(f"SKIP: cannot shape the network ({problem}); rerun with --no-shape", flush=True)
-            return 0
-    with tempfile.TemporaryDirectory(prefix="jaxcomm-sharded-") as out:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", out]
-        cmd += ["--width", str(args.width), "--layers", str(args.layers)]
-        cmd += ["--batch", str(args.batch), "--repeats", str(args.repeats)]
-        cmd += ["--methods", args.methods]
-        result = launch_local(
-            2,
-            cmd,
-            env={"JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"},
-            timeout=args.timeout,
-            netns_rate=args.rate if shaped else None,
-            echo=True,
-        )
-        if not result.ok:
-            raise LaunchError(result)
-        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    worker_args = ["--width", str(args.width), "--layers", str(args.layers)]
+    worker_args += ["--batch", str(args.batch), "--repeats", str(args.repeats)]
+    worker_args += ["--methods", args.methods]
+    ranks = run_two_ranks(
+        __file__,
+        worker_args,
+        rate=args.rate,
+        shaped=shaped,
+        timeout=args.timeout,
+        prefix="jaxcomm-sharded-",
+    )
+    if ranks is None:
+        return 0
     summary = _summarize(ranks, args, shaped)
     print(_table(summary), flush=True)
     if args.json:

@@ -1,0 +1,39 @@
+"""The shared driver of the two-process, shaped-link benchmarks.
+
+Each benchmark script re-runs itself with ``--worker DIR`` on two ranks (one CPU device each,
+gloo), inside a private network namespace whose loopback is shaped to ``rate``; every rank
+writes ``DIR/rank{r}.json``, which this returns.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+
+def run_two_ranks(
+    script: str, worker_args: list[str], *, rate: str, shaped: bool, timeout: float, prefix: str
+) -> list[dict] | None:
+    """Both ranks' JSON results, or ``None`` (after printing SKIP) when shaping is impossible."""
+    from jaxcomm.launch import LaunchError, launch_local, network_shaping_problem
+
+    if shaped:
+        problem = network_shaping_problem(rate)
+        if problem:
+            print(f"SKIP: cannot shape the network ({problem}); rerun with --no-shape", flush=True)
+            return None
+    with tempfile.TemporaryDirectory(prefix=prefix) as out:
+        cmd = [sys.executable, str(Path(script).resolve()), "--worker", out, *worker_args]
+        result = launch_local(
+            2,
+            cmd,
+            env={"JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"},
+            timeout=timeout,
+            netns_rate=rate if shaped else None,
+            echo=True,
+        )
+        if not result.ok:
+            raise LaunchError(result)
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]

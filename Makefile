@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo run test lint bench clean
+.PHONY: venv demo run test lint bench examples clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ run: venv
 
 bench: venv
 	$(PY) benchmarks/compressors_1gbit.py
+
+# Every runnable file in examples/, with the venv's interpreter (each well under a minute).
+examples: venv
+	@set -e; for f in examples/*.py; do echo "== $$f"; $(PY) $$f; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache

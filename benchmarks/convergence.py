@@ -1,7 +1,7 @@
 """Convergence at a fraction of the traffic: Adam vs 1-bit Adam vs 0/1 Adam vs compressed_mean.
 
 Trains the demo's character-level LM (Python's bundled docs, offline) data-parallel on 8
-simulated CPU devices with each optimizer (`jaxcomm.demo`, same data order for all), then
+simulated CPU devices with each optimizer (`jaxcomm.tools.demo`, same data order for all), then
 checks issue 3's targets against the exact-Adam baseline measured in the same run:
 
 * 1-bit Adam: held-out loss within 2% of Adam's, with >= 5x less total traffic (warm-up
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "JAX_NUM_CPU_DEVICES" not in os.environ:
         jax.config.update("jax_num_cpu_devices", 8)
-    from jaxcomm import demo
+    from jaxcomm.tools import demo
 
     cfg = demo.DemoConfig(steps=args.steps)
     rows = {r["method"]: r for r in demo.run(cfg, plot_path=args.plot, json_path=args.json)}

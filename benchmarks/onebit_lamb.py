@@ -1,7 +1,7 @@
 """1-bit LAMB vs exact LAMB: final loss, held-out loss and accuracy, bytes on the wire.
 
-Trains the examples' character-level MLP (``jaxcomm.textdata``: Python's bundled docs, offline)
-data-parallel on 8 simulated CPU devices, on the same batches, with
+Trains the examples' character-level MLP (``jaxcomm.tools.textdata``: Python's bundled docs,
+offline) data-parallel on 8 simulated CPU devices, on the same batches, with
 
 * ``exact + optax.lamb``: the fp32 mean of the gradients, then ``optax.lamb(lr)`` (the
   baseline; optax's LAMB has bias correction and an unclipped trust ratio);
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jaxcomm as jc
     from jaxcomm.hlo import wire_bytes
-    from jaxcomm.textdata import CharBatches
+    from jaxcomm.tools.textdata import CharBatches
 
     steps, lr = args.steps, args.lr
     warm = max(1, steps // 5) if args.warmup is None else args.warmup

@@ -1,4 +1,4 @@
-"""jaxcomm.bench: compressor registry, sizes, bus factors, rows against the ring cost model."""
+"""jaxcomm.tools.bench: compressor registry, sizes, bus factors, rows vs the ring cost model."""
 
 import dataclasses
 import inspect
@@ -8,7 +8,7 @@ import pytest
 from conftest import NUM_DEVICES
 
 import jaxcomm as jc
-from jaxcomm import bench
+from jaxcomm.tools import bench
 
 N = NUM_DEVICES
 

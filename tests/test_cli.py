@@ -7,7 +7,7 @@ import pytest
 from conftest import NUM_DEVICES
 from test_distributed import multiprocess
 
-from jaxcomm.cli import main
+from jaxcomm.tools.cli import main
 
 N = NUM_DEVICES
 

@@ -9,8 +9,8 @@ pytest.importorskip("rich")
 import jax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
-from jaxcomm import demo  # noqa: E402
-from jaxcomm.textdata import CharBatches  # noqa: E402
+from jaxcomm.tools import demo  # noqa: E402
+from jaxcomm.tools.textdata import CharBatches  # noqa: E402
 
 
 def zero_one_schedule(steps, freeze, var_scaler, local_scaler, clipper):
@@ -100,7 +100,7 @@ def test_demo_under_jax_distributed_matches_one_process(tmp_path):
     import sys
     from pathlib import Path
 
-    from jaxcomm.launch import launch_local
+    from jaxcomm.tools.launch import launch_local
 
     try:
         with socket.socket() as s:
@@ -109,7 +109,7 @@ def test_demo_under_jax_distributed_matches_one_process(tmp_path):
         pytest.skip(f"cannot bind on 127.0.0.1: {e}")
     repo = Path(__file__).resolve().parent.parent
     out = tmp_path / "dist.json"
-    argv = [sys.executable, "-m", "jaxcomm.cli", "demo", "--distributed", "--steps", "6"]
+    argv = [sys.executable, "-m", "jaxcomm", "demo", "--distributed", "--steps", "6"]
     argv += ["--batch", "8", "--warmup-fraction", "0.5", "--methods", "adam,onebit_adam"]
     argv += ["--plot", "", "--json", str(out)]
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]

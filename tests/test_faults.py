@@ -50,7 +50,7 @@ def test_killed_rank_stops_the_others_in_bounded_time(tmp_path):
     script.write_text(_TRAIN)
     grace = 3.0
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jaxcomm.cli", "launch", "-n", "4", "--kill-grace", str(grace),
+        [sys.executable, "-m", "jaxcomm", "launch", "-n", "4", "--kill-grace", str(grace),
          "--timeout", "240", str(script), str(tmp_path)],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

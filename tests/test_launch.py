@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_distributed import multiprocess
 
-from jaxcomm.launch import network_shaping_problem
+from jaxcomm.tools.launch import network_shaping_problem
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = multiprocess
@@ -33,7 +33,7 @@ def _env():
 
 def _launch(*args, timeout=120, **kw):
     return subprocess.run(
-        [sys.executable, "-m", "jaxcomm.cli", "launch", *args],
+        [sys.executable, "-m", "jaxcomm", "launch", *args],
         env=_env(),
         capture_output=True,
         text=True,
@@ -129,7 +129,7 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jaxcomm.cli", "launch", "-n", "2", str(script), str(pids)],
+        [sys.executable, "-m", "jaxcomm", "launch", "-n", "2", str(script), str(pids)],
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -194,7 +194,7 @@ def _median_rtt_ms(tmp_path, name, *launch_args):
 
 def test_launch_delay_applies_to_connections_between_ranks(tmp_path):
     """--delay 2ms: a TCP ping-pong between ranks takes >= 2 x 2 ms (netem or the relay)."""
-    from jaxcomm._delay import shim_problem
+    from jaxcomm.tools._delay import shim_problem
 
     if network_shaping_problem(None, "2ms") is not None and shim_problem() is not None:
         pytest.skip(f"no way to add a delay here: {shim_problem()}")
@@ -206,7 +206,7 @@ def test_launch_delay_applies_to_connections_between_ranks(tmp_path):
 
 
 def test_parse_delay():
-    from jaxcomm._delay import parse_delay
+    from jaxcomm.tools._delay import parse_delay
 
     assert parse_delay("1ms") == 1e-3
     assert parse_delay("500us") == 5e-4
@@ -218,8 +218,8 @@ def test_parse_delay():
 
 def test_relay_refuses_like_a_closed_port():
     """Through the relay, connecting to a port nobody listens on fails as it would directly."""
-    from jaxcomm._delay import delay_relay, shim_problem
-    from jaxcomm.launch import find_free_port
+    from jaxcomm.tools._delay import delay_relay, shim_problem
+    from jaxcomm.tools.launch import find_free_port
 
     if shim_problem():
         pytest.skip(shim_problem())

@@ -10,7 +10,7 @@ from quantize_reference import dequantize, layout, quantize
 
 import jaxcomm as jc
 from jaxcomm.hlo import collectives_in_hlo, wire_bytes
-from jaxcomm.sharded import ShardedState, shard_of
+from jaxcomm.optim.sharded import ShardedState, shard_of
 
 N = NUM_DEVICES
 STEPS = 6
@@ -310,8 +310,8 @@ def test_demo_sharded_int8_method(mesh):
     pytest.importorskip("rich")
     from flax import nnx
 
-    from jaxcomm import demo
-    from jaxcomm.textdata import CharBatches
+    from jaxcomm.tools import demo
+    from jaxcomm.tools.textdata import CharBatches
 
     cfg = demo.DemoConfig(steps=12, hidden=32, eval_every=6, methods=("sharded_int8",))
     data = CharBatches.from_corpus(context=cfg.context)

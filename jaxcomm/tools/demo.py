@@ -1,6 +1,6 @@
 """``jaxcomm demo``: train one Flax NNX model data-parallel with each optimizer and compare.
 
-A character-level language model (:mod:`jaxcomm.textdata`, Python's bundled documentation, no
+A character-level language model (:mod:`jaxcomm.tools.textdata`, Python's bundled documentation, no
 download) is trained on every device of a mesh (8 simulated CPU devices by default) with:
 
 * ``adam``: exact ``pmean`` of the gradients, then Adam (the baseline);
@@ -405,7 +405,7 @@ def run(cfg: DemoConfig, *, plot_path: str | None, json_path: str | None) -> lis
     from jax.sharding import AxisType
     from rich.progress import Progress
 
-    from jaxcomm.textdata import CharBatches
+    from jaxcomm.tools.textdata import CharBatches
 
     if jax.process_count() > 1:
         n = len(jax.devices())  # every process's devices
@@ -476,7 +476,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--distributed",
         action="store_true",
         help="call jc.init_distributed() first (one process per rank, e.g. under "
-        "`jaxcomm launch -n 2 -m jaxcomm.cli demo --distributed`, torchrun or SLURM); the mesh "
+        "`jaxcomm launch -n 2 -m jaxcomm demo --distributed`, torchrun or SLURM); the mesh "
         "spans every process's devices",
     )
 

@@ -11,7 +11,7 @@ Optionally all ranks share one private network namespace whose loopback is shape
 slow cluster network. That needs root, ``unshare``, ``nsenter``, ``ip`` and ``tc``;
 :func:`can_shape_network` says whether it works here. Where the kernel lacks ``netem``
 (containers, gVisor), ``relay_delay`` adds a link delay without root: the ranks' TCP connections
-go through a userspace relay that delivers every byte that much later (:mod:`jaxcomm._delay`);
+go through a userspace relay that delivers every byte that much later (:mod:`jaxcomm.tools._delay`);
 :func:`delay_options` picks netem when it works, else the relay.
 
 Multi-node runs do not use this module: start one process per host with SLURM (``srun``),
@@ -19,7 +19,7 @@ Multi-node runs do not use this module: start one process per host with SLURM (`
 
 Example::
 
-  from jaxcomm.launch import launch_local
+  from jaxcomm.tools.launch import launch_local
   result = launch_local(2, [sys.executable, "train.py"], timeout=120)
   result.check()          # raises LaunchError naming the failed rank
   print(result.output)    # "[rank 0] ..." lines, in arrival order
@@ -41,6 +41,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
+
+from jaxcomm.tools._proc import pdeathsig_prefix
 
 __all__ = [
     "LaunchError",
@@ -118,28 +120,6 @@ def find_free_port(host: str = _LOCALHOST) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-@functools.cache
-def _pdeathsig_prefix() -> tuple[str, ...]:
-    """``setpriv --pdeathsig KILL --`` where available, else nothing.
-
-    Ranks must not outlive a launcher that is itself killed (e.g. by a CI timeout). Setting the
-    parent-death signal through ``setpriv`` instead of a ``preexec_fn`` keeps the fork free of
-    Python code, which matters because the launcher often runs in a multithreaded JAX process.
-    """
-    if not sys.platform.startswith("linux") or shutil.which("setpriv") is None:
-        return ()
-    try:
-        ok = (
-            subprocess.run(
-                ["setpriv", "--pdeathsig", "KILL", "--", "true"], capture_output=True, timeout=10
-            ).returncode
-            == 0
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    return ("setpriv", "--pdeathsig", "KILL", "--") if ok else ()
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
@@ -270,7 +250,7 @@ def shaped_network(
     tc_setup = _tc_script(rate, delay, burst)
     script = f"hostname localhost && {tc_setup} && echo ready && exec sleep infinity"
     holder = subprocess.Popen(
-        [*_pdeathsig_prefix(), "unshare", "-n", "-u", "sh", "-c", script],
+        [*pdeathsig_prefix(), "unshare", "-n", "-u", "sh", "-c", script],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -302,7 +282,7 @@ def delay_options(delay: str | None, rate: str | None = None) -> tuple[dict[str,
     """:func:`launch_local` keyword arguments for a link ``delay`` (and ``rate``), and a label.
 
     ``tc netem`` where it works (root, ``sch_netem``), else the userspace relay of
-    :mod:`jaxcomm._delay`. A ``rate`` always needs ``tc tbf`` (root).
+    :mod:`jaxcomm.tools._delay`. A ``rate`` always needs ``tc tbf`` (root).
 
     Raises:
       RuntimeError: neither way works here, or the rate cannot be shaped.
@@ -317,7 +297,7 @@ def delay_options(delay: str | None, rate: str | None = None) -> tuple[dict[str,
             opts["netns_delay"] = delay
             labels.append(f"delay {delay} one way (tc netem)")
         else:
-            from jaxcomm._delay import parse_delay, shim_problem
+            from jaxcomm.tools._delay import parse_delay, shim_problem
 
             parse_delay(delay)  # a clear ValueError for a bad value
             relay = shim_problem()
@@ -402,7 +382,7 @@ def launch_local(
 
     With ``relay_delay``, the ranks' TCP connections (all but the coordinator's) go through a
     userspace relay that forwards every byte ``relay_delay`` later, in both directions
-    (:mod:`jaxcomm._delay`): a link delay where ``netem`` is unavailable, needing no root. It
+    (:mod:`jaxcomm.tools._delay`): a link delay where ``netem`` is unavailable, needing no root. It
     combines with ``netns_rate`` (the relay then runs inside the namespace).
 
     Args:
@@ -436,7 +416,7 @@ def launch_local(
         if netns_rate or netns_delay:
             prefix = stack.enter_context(shaped_network(netns_rate, netns_delay, netns_burst))
         if relay_delay:
-            from jaxcomm._delay import delay_relay
+            from jaxcomm.tools._delay import delay_relay
 
             relay_env = stack.enter_context(
                 delay_relay(relay_delay, skip_ports=(port,), prefix=prefix)
@@ -478,7 +458,7 @@ def _run_ranks(
         for rank in range(n):
             procs.append(
                 subprocess.Popen(
-                    [*_pdeathsig_prefix(), *argv],
+                    [*pdeathsig_prefix(), *argv],
                     env=_rank_env(base_env, rank, n, port),
                     cwd=cwd,
                     stdin=subprocess.DEVNULL,

@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 
-from jaxcomm import bench as _bench_mod
+from jaxcomm.tools import bench as _bench_mod
 
 # --------------------------------------------------------------------------------------------
 # jaxcomm bench
@@ -93,7 +93,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         return 2
     n = rows[0].devices if rows else 0
     if args.procs:
-        from jaxcomm.launch import delay_options
+        from jaxcomm.tools.launch import delay_options
 
         where = f"{args.procs} processes (gloo), {delay_options(args.delay, args.rate)[1]}"
     else:
@@ -192,7 +192,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    from jaxcomm.launch import delay_options, launch_local
+    from jaxcomm.tools.launch import delay_options, launch_local
 
     try:
         argv = _rank_argv(args)
@@ -240,11 +240,11 @@ def _add_demo(sub) -> None:
     )
 
     def run(args):
-        from jaxcomm import demo  # flax, rich and matplotlib: the `examples` extra
+        from jaxcomm.tools import demo  # flax, rich and matplotlib: the `examples` extra
 
         return demo.main_from_args(args)
 
-    from jaxcomm.demo import add_arguments
+    from jaxcomm.tools.demo import add_arguments
 
     add_arguments(p)
     p.set_defaults(run=run)

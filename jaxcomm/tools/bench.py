@@ -27,8 +27,9 @@ subclass that ``jaxcomm`` exports, under its lower-cased class name (``onebit``,
 
 In-process (default), the devices are ``--devices`` simulated CPU devices (or the real GPUs/TPUs)
 of one process. With ``--procs N`` the bench starts ``N`` processes of one CPU device each,
-wired through :func:`jaxcomm.launch.launch_local` (gloo over TCP), optionally on a loopback shaped
-with ``--rate``/``--delay`` (root); times are then the slowest rank's, each run after a barrier.
+wired through :func:`jaxcomm.tools.launch.launch_local` (gloo over TCP), optionally on a loopback
+shaped with ``--rate``/``--delay`` (root); times are then the slowest
+rank's, each run after a barrier.
 """
 
 from __future__ import annotations
@@ -488,13 +489,14 @@ def _multi_process(
     timeout: float,
     echo: bool,
 ) -> list[BenchRow]:
-    from jaxcomm.launch import LaunchError, delay_options, launch_local
+    from jaxcomm.tools.launch import LaunchError, delay_options, launch_local
 
     if procs < 2:
         raise ValueError("jaxcomm bench: --procs must be >= 2")
     shaping, _ = delay_options(delay, rate)
     with tempfile.TemporaryDirectory(prefix="jaxcomm-bench-") as out:
-        argv = [sys.executable, "-m", "jaxcomm.bench", "--worker", out, json.dumps(asdict(config))]
+        worker = ["-m", "jaxcomm.tools.bench", "--worker", out, json.dumps(asdict(config))]
+        argv = [sys.executable, *worker]
         xla_flags = " ".join(
             f
             for f in os.environ.get("XLA_FLAGS", "").split()

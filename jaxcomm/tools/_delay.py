@@ -35,6 +35,8 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from jaxcomm.tools._proc import pdeathsig_prefix
+
 _SHIM_C = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -269,12 +271,11 @@ def delay_relay(
     seconds = parse_delay(delay) if isinstance(delay, str) else float(delay)
     if not seconds >= 0:
         raise ValueError(f"delay must be >= 0, got {delay!r}")
-    from jaxcomm.launch import _pdeathsig_prefix
 
     shim = build_shim()
     relay = subprocess.Popen(
         # The relay must not outlive a launcher that is killed outright.
-        [*_pdeathsig_prefix(), *prefix, sys.executable, "-m", "jaxcomm._delay", str(seconds)],
+        [*pdeathsig_prefix(), *prefix, sys.executable, "-m", "jaxcomm.tools._delay", str(seconds)],
         stdout=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         text=True,
@@ -304,5 +305,5 @@ def delay_relay(
             relay.stdout.close()
 
 
-if __name__ == "__main__":  # python -m jaxcomm._delay SECONDS
+if __name__ == "__main__":  # python -m jaxcomm.tools._delay SECONDS
     serve(0, float(sys.argv[1]))

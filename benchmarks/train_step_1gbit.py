@@ -1,0 +1,538 @@
+"""Train-step time of every jaxcomm data-parallel method at 1 Gbit/s, against exact Adam.
+
+Two processes (one CPU device each, gloo collectives over TCP) in a private network namespace
+whose loopback is shaped with ``tc tbf`` to ``--rate`` (the shared driver
+``benchmarks/_two_ranks.py``, as ``compressors_1gbit.py`` and ``sharded_1gbit.py``). Each
+process trains the same model on its own batch through ``jc.make_train_step`` (state donated
+and carried from step to step), one method after the other:
+
+* ``local``: the floor of any method: loss, gradients and an ``optax.adam`` step jitted on the
+  process's own device, nothing sent (state donated);
+* ``wire_1bit``: the other floor: only the 1-bit payload of the whole model (the packed signs'
+  ``all_to_all`` and ``all_gather``, uint8, as ``jc.OneBit`` sends them), no compute;
+* ``exact``: ``optax.chain(jc.compressed_mean(axis, jc.NoCompression()), optax.adam(lr))``;
+* ``cmean_onebit``: ``optax.chain(jc.compressed_mean(axis, jc.OneBit()), optax.adam(lr))``;
+* ``onebit_adam``: ``jc.onebit_adam(freeze_step=2)`` timed after its freeze (compressed steps;
+  the warm-up branch is compiled in, as in real use);
+* ``onebit_adam_nocond``: the same with ``freeze_step=0`` (only the compressed branch compiled):
+  the difference to ``onebit_adam`` is the cost of the ``lax.cond``;
+* ``zero_one_adam``: ``jc.zero_one_adam(var_freeze_step=2, local_step_scaler=1,
+  local_step_clipper=16)``: the sync interval doubles each frozen step up to 16, so a cycle is
+  15 local steps (nothing sent) and one 1-bit synchronisation; the row is the mean step over a
+  whole cycle (``zero_one_local`` and ``zero_one_sync`` give the two kinds apart);
+* ``onebit_lamb``: ``jc.onebit_lamb(freeze_step=2)`` after its freeze;
+* ``sharded_int8``: ``jc.sharded(optax.adam(lr), axis, compressor=jc.Quantize(bits=8),
+  gather_compressor=jc.Quantize(bits=8))`` (ZeRO 1-2 with int8 gradients and weights).
+
+Models (``--model``): ``mlp``, ``--layers`` x (``--width`` x ``--width`` + bias), 16.8M fp32
+parameters (64 MiB) by default, batch 16 per process; ``transformer``, a pre-LN decoder of the
+same size class (d 512, 4 layers, vocabulary 4096, 16.8M parameters in 70 leaves), batch 4 x 64
+tokens per process, every method run with ``--bucket-bytes`` (default 4 MiB for it).
+
+Timing: 2 warm-up steps per method (0/1 Adam: until its interval reached 16 and a cycle ended),
+then ``--repeats`` rounds that time one step of every method in turn (0/1 Adam: one whole cycle)
+so a burst of load on the shared machine hits all methods alike; every step is preceded by a
+barrier (a tiny cross-process psum) so that both ranks start together; a step's time is the
+slower rank's; the table shows medians and the speedup against ``exact``. Bytes on the wire per
+device per step come from the compiled HLO (``jaxcomm.hlo.wire_bytes``).
+
+Usage (root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped loopback)::
+
+    python benchmarks/train_step_1gbit.py [--model mlp|transformer] [--rate 1gbit]
+                                          [--repeats 5] [--methods exact,onebit_adam,...]
+                                          [--bucket-bytes N] [--no-shape] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(REPO))
+
+WARMUP = 2
+FREEZE = 2  # warm-up steps of the 1-bit optimizers: the timed steps are all compressed
+ZO_CLIPPER = 16  # 0/1 Adam's sync interval in the timed cycles (DeepSpeed's default clipper)
+
+METHODS = {
+    "local": "local Adam step, nothing sent (floor)",
+    "wire_1bit": "1-bit payload only, no compute (floor)",
+    "exact": "exact: compressed_mean(NoCompression)+adam",
+    "cmean_onebit": "compressed_mean(OneBit)+adam",
+    "onebit_adam": "onebit_adam, compressed phase",
+    "onebit_adam_nocond": "onebit_adam, freeze_step=0 (no cond)",
+    "zero_one_adam": f"zero_one_adam, mean of a {ZO_CLIPPER}-step cycle",
+    "onebit_lamb": "onebit_lamb, compressed phase",
+    "sharded_int8": "sharded(adam), int8 grads + int8 weights",
+}
+#: Rows derived from the 0/1 Adam cycles (not methods of their own).
+DERIVED = {
+    "zero_one_local": "  0/1 Adam local step (nothing sent)",
+    "zero_one_sync": "  0/1 Adam sync step (1-bit)",
+}
+
+
+def make_tx(name: str, axis: str, bucket_bytes: int | None, lr: float = 1e-3):
+    """The optax transformation of method ``name``, as user code writes it."""
+    import optax
+
+    import jaxcomm as jc
+
+    adam = optax.adam(lr)
+    bb = dict(bucket_bytes=bucket_bytes)
+    if name == "exact":
+        return optax.chain(jc.compressed_mean(axis, jc.NoCompression(), **bb), adam)
+    if name == "cmean_onebit":
+        return optax.chain(jc.compressed_mean(axis, jc.OneBit(), **bb), adam)
+    if name == "onebit_adam":
+        return jc.onebit_adam(lr, freeze_step=FREEZE, axis_name=axis, **bb)
+    if name == "onebit_adam_nocond":
+        return jc.onebit_adam(lr, freeze_step=0, axis_name=axis, **bb)
+    if name == "zero_one_adam":
+        return jc.zero_one_adam(
+            lr,
+            var_freeze_step=FREEZE,
+            local_step_scaler=1,
+            local_step_clipper=ZO_CLIPPER,
+            axis_name=axis,
+            **bb,
+        )
+    if name == "onebit_lamb":
+        return jc.onebit_lamb(lr, freeze_step=FREEZE, axis_name=axis, **bb)
+    if name == "sharded_int8":
+        q8 = jc.Quantize(bits=8)
+        return jc.sharded(adam, axis, compressor=q8, gather_compressor=q8, **bb)
+    raise SystemExit(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", choices=("mlp", "transformer"), default="mlp", help="(mlp)")
+    p.add_argument("--width", type=int, default=2048, help="MLP hidden width (2048)")
+    p.add_argument("--layers", type=int, default=4, help="MLP width x width layers (4)")
+    p.add_argument("--batch", type=int, default=None, help="examples per process (mlp 16, tr 4)")
+    p.add_argument(
+        "--bucket-bytes",
+        type=int,
+        default=None,
+        help="bucket_bytes of every method (mlp: None, one bucket; transformer: 4 MiB)",
+    )
+    p.add_argument("--rate", default="1gbit", help="tc rate of the shaped loopback (1gbit)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds (5)")
+    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
+    p.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated ({','.join(METHODS)})"
+    )
+    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
+    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.batch is None:
+        args.batch = 16 if args.model == "mlp" else 4
+    if args.bucket_bytes is None and args.model == "transformer":
+        args.bucket_bytes = 4 << 20
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# Models (the same initial parameters on every process; each process has its own batch).
+# --------------------------------------------------------------------------------------------
+
+
+def make_mlp(args, rank: int):
+    import jax.numpy as jnp
+    import numpy as np
+
+    w = args.width
+    rng = np.random.default_rng(0)
+    params = {
+        f"layer{i}": {
+            "w": (rng.standard_normal((w, w), np.float32) / np.sqrt(w)).astype(np.float32),
+            "b": np.zeros((w,), np.float32),
+        }
+        for i in range(args.layers)
+    }
+
+    def loss_fn(p, batch):
+        x, y = batch
+        for i in range(args.layers):
+            x = jnp.tanh(x @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"])
+        return jnp.mean((x - y) ** 2)
+
+    data = np.random.default_rng(1 + rank)
+    batch = (
+        data.standard_normal((args.batch, w), np.float32),
+        data.standard_normal((args.batch, w), np.float32),
+    )
+    return params, loss_fn, batch
+
+
+TRANSFORMER = dict(d=512, layers=4, vocab=4096, seq=64, heads=8)
+
+
+def make_transformer(args, rank: int):
+    """A pre-LN decoder-only transformer, separate q/k/v/o and MLP leaves (70 leaves)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    cfg = TRANSFORMER
+    d, vocab, seq, heads = cfg["d"], cfg["vocab"], cfg["seq"], cfg["heads"]
+    rng = np.random.default_rng(0)
+
+    def dense(fan_in, fan_out):
+        return (rng.standard_normal((fan_in, fan_out), np.float32) / np.sqrt(fan_in)).astype(
+            np.float32
+        )
+
+    def ln():
+        return {"scale": np.ones((d,), np.float32), "bias": np.zeros((d,), np.float32)}
+
+    params = {
+        "embed": (rng.standard_normal((vocab, d), np.float32) * 0.02).astype(np.float32),
+        "pos": (rng.standard_normal((seq, d), np.float32) * 0.02).astype(np.float32),
+        "final_ln": ln(),
+        "head": dense(d, vocab),
+    }
+    for i in range(cfg["layers"]):
+        params[f"block{i}"] = {
+            "ln1": ln(),
+            "ln2": ln(),
+            **{f"w{k}": dense(d, d) for k in "qkvo"},
+            **{f"b{k}": np.zeros((d,), np.float32) for k in "qkvo"},
+            "w1": dense(d, 4 * d),
+            "b1": np.zeros((4 * d,), np.float32),
+            "w2": dense(4 * d, d),
+            "b2": np.zeros((d,), np.float32),
+        }
+
+    def layer_norm(x, p):
+        mu = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mu), -1, keepdims=True)
+        return (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+    def loss_fn(p, tokens):
+        b, s = tokens.shape
+        x = p["embed"][tokens] + p["pos"][None, :s]
+        mask = jnp.tril(jnp.ones((s, s), bool))
+        for i in range(cfg["layers"]):
+            blk = p[f"block{i}"]
+            h = layer_norm(x, blk["ln1"])
+
+            def proj(k, h=h, blk=blk):
+                y = h @ blk[f"w{k}"] + blk[f"b{k}"]
+                return y.reshape(b, s, heads, d // heads)
+
+            q, k, v = proj("q"), proj("k"), proj("v")
+            att = jnp.einsum("bqhc,bkhc->bhqk", q, k) / np.sqrt(d // heads)
+            att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1)
+            y = jnp.einsum("bhqk,bkhc->bqhc", att, v).reshape(b, s, d)
+            x = x + y @ blk["wo"] + blk["bo"]
+            h = layer_norm(x, blk["ln2"])
+            x = x + jax.nn.gelu(h @ blk["w1"] + blk["b1"]) @ blk["w2"] + blk["b2"]
+        logits = layer_norm(x, p["final_ln"]) @ p["head"]
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+    data = np.random.default_rng(1 + rank)
+    batch = data.integers(0, vocab, (args.batch, seq), dtype=np.int32)
+    return params, loss_fn, batch
+
+
+# --------------------------------------------------------------------------------------------
+# Worker (one per rank).
+# --------------------------------------------------------------------------------------------
+
+
+def _host_int(x) -> int:
+    """A replicated scalar of the global state, read on this process."""
+    import numpy as np
+
+    return int(np.asarray(x.addressable_data(0)))
+
+
+def _worker(args: argparse.Namespace) -> None:
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm as jc
+    from jaxcomm.hlo import wire_bytes
+
+    info = jc.init_distributed("gloo", initialization_timeout=120)
+    rank, n = info.process_id, info.num_processes
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("dp",))
+    split = NamedSharding(mesh, P("dp"))
+    make_model = make_mlp if args.model == "mlp" else make_transformer
+    params, loss_fn, local_batch = make_model(args, rank)
+    leaves = jax.tree.leaves(params)
+    numel = sum(x.size for x in leaves)
+    batch = jax.tree.map(lambda a: jax.make_array_from_process_local_data(split, a), local_batch)
+    token = jax.make_array_from_process_local_data(split, np.ones((1,), np.float32))
+    barrier_fn = jax.jit(
+        jax.shard_map(lambda t: lax.psum(t, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    )
+
+    def barrier() -> float:
+        t0 = time.perf_counter()
+        barrier_fn(token).block_until_ready()
+        return time.perf_counter() - t0
+
+    names = [m for m in args.methods.split(",") if m]
+    for name in names:
+        if name not in METHODS:
+            raise SystemExit(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    runners, wire, compile_s, losses = {}, {}, {}, {}
+
+    for name in names:
+        t0 = time.perf_counter()
+        if name == "local":
+            dev = jax.local_devices()[0]
+            adam = optax.adam(1e-3)
+
+            def local_step(state, batch, adam=adam):
+                p, opt = state
+                loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+                updates, opt = adam.update(grads, opt, p)
+                return (optax.apply_updates(p, updates), opt), loss
+
+            lparams = jax.device_put(params, dev)
+            lstate = (lparams, jax.jit(adam.init)(lparams))
+            lbatch = jax.device_put(local_batch, dev)
+            fn = jax.jit(local_step, donate_argnums=(0,)).lower(lstate, lbatch).compile()
+            wire[name] = wire_bytes(fn.as_text())
+            holder = {"state": lstate}
+
+            def run(fn=fn, holder=holder, lbatch=lbatch, name=name):
+                holder["state"], loss = fn(holder["state"], lbatch)
+                jax.block_until_ready((holder["state"], loss))
+                return float(loss)
+
+        elif name == "wire_1bit":
+            padded = -(-numel // (8 * n)) * 8 * n
+            signs = jax.make_array_from_process_local_data(
+                split, np.zeros((n, padded // 8 // n), np.uint8)
+            )
+
+            def payload(s):
+                got = lax.all_to_all(s, "dp", 0, 0, tiled=True)
+                server = lax.all_gather(got[:1], "dp", tiled=True)
+                return got + server.sum(0, keepdims=True, dtype=jnp.uint8)
+
+            fn = (
+                jax.jit(
+                    jax.shard_map(payload, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")),
+                    donate_argnums=(0,),
+                )
+                .lower(signs)
+                .compile()
+            )
+            wire[name] = wire_bytes(fn.as_text())
+            holder = {"state": signs}
+
+            def run(fn=fn, holder=holder):
+                holder["state"] = fn(holder["state"])
+                holder["state"].block_until_ready()
+                return 0.0
+
+        else:
+            tx = make_tx(name, "dp", args.bucket_bytes)
+            step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+            fn = step.lower(state, batch).compile()
+            wire[name] = wire_bytes(fn.as_text())
+            holder = {"state": state}
+
+            def run(fn=fn, holder=holder):
+                holder["state"], loss = fn(holder["state"], batch)
+                jax.block_until_ready((holder["state"], loss))
+                return float(loss)
+
+        compile_s[name] = time.perf_counter() - t0
+        runners[name], losses[name] = (run, holder), []
+
+    def zo_interval_and_count(holder):
+        opt = holder["state"].opt_state
+        return _host_int(opt.local_interval), _host_int(opt.count)
+
+    def zo_cycle(run, holder, times):
+        """One whole sync cycle of 0/1 Adam: (step times, kinds), ending with a sync step."""
+        kinds = []
+        while True:
+            interval, count = zo_interval_and_count(holder)
+            t = count + 1
+            sync = t % interval == 0
+            times.append(barrier())
+            t0 = time.perf_counter()
+            run()
+            kinds.append((time.perf_counter() - t0, "sync" if sync else "local"))
+            if sync:
+                return kinds
+
+    times: dict[str, list] = {name: [] for name in names}
+    times["barrier"] = []
+    for name in names:
+        run, holder = runners[name]
+        for _ in range(WARMUP):
+            barrier()
+            losses[name].append(run())
+        if name == "zero_one_adam":  # until the interval reached its cap and a cycle ended
+            while True:
+                interval, count = zo_interval_and_count(holder)
+                if interval == ZO_CLIPPER and count % interval == 0:
+                    break
+                barrier()
+                losses[name].append(run())
+    for _ in range(args.repeats):  # rounds: a burst of load hits every method alike
+        for name in names:
+            run, holder = runners[name]
+            if name == "zero_one_adam":
+                times[name].append(zo_cycle(run, holder, times["barrier"]))
+                continue
+            times["barrier"].append(barrier())
+            t0 = time.perf_counter()
+            losses[name].append(run())
+            times[name].append(time.perf_counter() - t0)
+    for name in names:
+        print(f"rank {rank} {name}: {times[name]}"[:400], flush=True)
+    result = dict(
+        rank=rank,
+        num_processes=n,
+        numel=numel,
+        leaves=len(leaves),
+        times=times,
+        wire=wire,
+        compile_s=compile_s,
+        losses=losses,
+    )
+    Path(args.worker, f"rank{rank}.json").write_text(json.dumps(result))
+    barrier()
+    jax.distributed.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher side.
+# --------------------------------------------------------------------------------------------
+
+
+def _summarize(ranks: list[dict], args: argparse.Namespace, shaped: bool) -> dict:
+    repeats = args.repeats
+    names = [k for k in ranks[0]["times"] if k != "barrier"]
+    medians: dict[str, float] = {}
+    for name in names:
+        if name == "zero_one_adam":
+            cycles, local, sync = [], [], []
+            for i in range(repeats):
+                per_rank = [r["times"][name][i] for r in ranks]
+                steps = [max(s[j][0] for s in per_rank) for j in range(len(per_rank[0]))]
+                kinds = [k for _, k in per_rank[0]]
+                cycles.append(sum(steps) / len(steps))
+                local += [t for t, k in zip(steps, kinds, strict=True) if k == "local"]
+                sync += [t for t, k in zip(steps, kinds, strict=True) if k == "sync"]
+            medians[name] = statistics.median(cycles)
+            if local:
+                medians["zero_one_local"] = statistics.median(local)
+            medians["zero_one_sync"] = statistics.median(sync)
+        else:
+            # A step is done when its slowest participant is.
+            per_run = [max(r["times"][name][i] for r in ranks) for i in range(repeats)]
+            medians[name] = statistics.median(per_run)
+    barrier = statistics.median(
+        max(vals) for vals in zip(*(r["times"]["barrier"] for r in ranks), strict=True)
+    )
+    base = medians.get("exact")
+    floor = None
+    if "local" in medians and "wire_1bit" in medians:
+        floor = medians["local"] + medians["wire_1bit"]
+    return {
+        "model": args.model,
+        "numel": ranks[0]["numel"],
+        "leaves": ranks[0]["leaves"],
+        "batch": args.batch,
+        "bucket_bytes": args.bucket_bytes,
+        "num_processes": ranks[0]["num_processes"],
+        "rate": args.rate if shaped else None,
+        "repeats": repeats,
+        "median_s": medians,
+        "barrier_median_s": barrier,
+        "speedup_vs_exact": {k: base / v for k, v in medians.items()} if base else {},
+        "local_plus_wire_s": floor,
+        "vs_local_plus_wire": {k: v / floor for k, v in medians.items()} if floor else {},
+        "wire_bytes_per_device": ranks[0]["wire"],
+        "compile_s": ranks[0]["compile_s"],
+        "losses_rank0": ranks[0]["losses"],
+        "times_s": {r["rank"]: r["times"] for r in ranks},
+    }
+
+
+def _table(s: dict) -> str:
+    link = s["rate"] or "unshaped loopback"
+    rows = [
+        f"{s['num_processes']} processes, {s['model']} of {s['numel'] / 1e6:.1f}M fp32 params "
+        f"({s['leaves']} leaves), batch {s['batch']}/process, bucket_bytes={s['bucket_bytes']}, "
+        f"link: {link}, median of {s['repeats']} rounds, slower rank "
+        f"(barrier {s['barrier_median_s'] * 1e3:.1f} ms)",
+        f"{'method':<46}{'step (ms)':>10}{'wire/device*':>14}{'vs exact':>10}"
+        f"{'/(local+wire)':>14}",
+    ]
+    labels = {**METHODS, **DERIVED}
+    for name, median in s["median_s"].items():
+        speed = s["speedup_vs_exact"].get(name)
+        ratio = s["vs_local_plus_wire"].get(name)
+        w = s["wire_bytes_per_device"].get(name)
+        rows.append(
+            f"{labels[name]:<46}{median * 1e3:>10.1f}"
+            + (f"{w / 2**20:>10.2f} MiB" if w is not None else f"{'':>14}")
+            + (f"{speed:>9.2f}x" if speed else f"{'':>10}")
+            + (f"{ratio:>13.2f}x" if ratio else "")
+        )
+    if s["local_plus_wire_s"]:
+        rows.append(f"local step + 1-bit wire time = {s['local_plus_wire_s'] * 1e3:.1f} ms")
+    rows.append("* every collective of the compiled step, both branches of a lax.cond/switch")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+
+    from _two_ranks import run_two_ranks
+
+    shaped = not args.no_shape
+    worker_args = ["--model", args.model, "--width", str(args.width), "--layers", str(args.layers)]
+    worker_args += ["--batch", str(args.batch), "--repeats", str(args.repeats)]
+    worker_args += ["--methods", args.methods]
+    if args.bucket_bytes is not None:
+        worker_args += ["--bucket-bytes", str(args.bucket_bytes)]
+    ranks = run_two_ranks(
+        __file__,
+        worker_args,
+        rate=args.rate,
+        shaped=shaped,
+        timeout=args.timeout,
+        prefix="jaxcomm-train-step-",
+    )
+    if ranks is None:
+        return 0
+    summary = _summarize(ranks, args, shaped)
+    print(_table(summary), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

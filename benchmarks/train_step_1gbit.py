@@ -483,8 +483,7 @@ def _table(s: dict) -> str:
         f"({s['leaves']} leaves), batch {s['batch']}/process, bucket_bytes={s['bucket_bytes']}, "
         f"link: {link}, median of {s['repeats']} rounds, slower rank "
         f"(barrier {s['barrier_median_s'] * 1e3:.1f} ms)",
-        f"{'method':<46}{'step (ms)':>10}{'wire/device*':>14}{'vs exact':>10}"
-        f"{'/(local+wire)':>14}",
+        f"{'method':<46}{'step (ms)':>10}{'wire/device*':>14}{'vs exact':>10}{'/(local+wire)':>14}",
     ]
     labels = {**METHODS, **DERIVED}
     for name, median in s["median_s"].items():

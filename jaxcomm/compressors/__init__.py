@@ -1,0 +1,28 @@
+"""Compressors: how one bucket is reduced across a mesh axis, one family per module.
+
+``_base`` (the :class:`Compressor` interface, exact :class:`NoCompression`), ``_two_stage``
+(two-stage error feedback, the fp32-reduction skeleton), ``onebit``, ``quantize``, ``cast``,
+``powersgd``, ``topk``. Public names are exported from :mod:`jaxcomm`.
+"""
+
+from jaxcomm.compressors._base import Compressor as Compressor
+from jaxcomm.compressors._base import NoCompression as NoCompression
+from jaxcomm.compressors._two_stage import TwoStageScatterState as TwoStageScatterState
+from jaxcomm.compressors._two_stage import TwoStageState as TwoStageState
+from jaxcomm.compressors.cast import Cast as Cast
+from jaxcomm.compressors.onebit import OneBit as OneBit
+from jaxcomm.compressors.onebit import OneBitScatterState as OneBitScatterState
+from jaxcomm.compressors.onebit import OneBitState as OneBitState
+from jaxcomm.compressors.onebit import pack_signs as pack_signs
+from jaxcomm.compressors.onebit import unpack_signs as unpack_signs
+from jaxcomm.compressors.powersgd import PowerSGD as PowerSGD
+from jaxcomm.compressors.powersgd import PowerSGDState as PowerSGDState
+from jaxcomm.compressors.quantize import Quantize as Quantize
+from jaxcomm.compressors.quantize import QuantizeScatterState as QuantizeScatterState
+from jaxcomm.compressors.quantize import QuantizeState as QuantizeState
+from jaxcomm.compressors.quantize import block_layout as block_layout
+from jaxcomm.compressors.quantize import pack_int4 as pack_int4
+from jaxcomm.compressors.quantize import quantize_blocks as quantize_blocks
+from jaxcomm.compressors.quantize import unpack_int4 as unpack_int4
+from jaxcomm.compressors.topk import TopK as TopK
+from jaxcomm.compressors.topk import TopKState as TopKState

@@ -1,0 +1,122 @@
+"""The compressor interface and the exact one (:class:`NoCompression`).
+
+A compressor turns a flat, fp32 (or native-dtype) bucket into a collective chain. It is a frozen
+dataclass, so it is hashable and can be a static argument of ``jax.jit``; its per-bucket error
+feedback is a ``NamedTuple`` of arrays, so it is jit-able, shardable and checkpointable.
+
+Every compressor implements three reductions over an axis of size ``n``:
+
+* ``all_reduce``: ``(N,)`` buffer -> ``(N,)`` sum or mean, identical on every device;
+* ``reduce_scatter``: ``(n, C)`` rank-major buffer -> this device's ``(C,)`` row of the sum/mean;
+* ``all_gather``: this device's ``(C,)`` row -> ``(n, C)``.
+
+Integer and bool leaves never reach a compressor: they are reduced exactly by the caller.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcomm._compat import all_gather_replicated, ensure_varying
+from jaxcomm.bucketing import Bucket
+
+
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is ``>= value``."""
+    return -(-value // multiple) * multiple
+
+
+class Compressor(abc.ABC):
+    """Interface of a bucket compressor. Subclasses are frozen dataclasses."""
+
+    #: True when reductions are lossy (MAX/MIN are then refused, since they cannot be compressed).
+    lossy: bool = True
+
+    def compute_dtype(self, dtype: np.dtype) -> np.dtype:
+        """Dtype of the buffer a floating leaf of ``dtype`` is reduced in."""
+        return np.dtype(np.float32)
+
+    def init_all_reduce_state(self, numel: int, axis_size: int) -> Any:
+        """Error-feedback state of one all-reduce bucket of ``numel`` elements (``()`` if none)."""
+        return ()
+
+    def init_reduce_scatter_state(self, row_numel: int, axis_size: int) -> Any:
+        """Error-feedback state of one reduce-scatter bucket with rows of ``row_numel``."""
+        return ()
+
+    @abc.abstractmethod
+    def all_reduce(
+        self, flat: jax.Array, state: Any, *, axis_name: str, axis_size: int, mean: bool
+    ) -> tuple[jax.Array, Any]:
+        """Sum (or mean) of ``flat`` over the axis; returns it and the new bucket state."""
+
+    @abc.abstractmethod
+    def reduce_scatter(
+        self, rows: jax.Array, state: Any, *, axis_name: str, axis_size: int, mean: bool
+    ) -> tuple[jax.Array, Any]:
+        """Row ``axis_index`` of the sum (or mean) of ``rows`` over the axis, and the new state."""
+
+    def finite_probe(self, output: jax.Array, state: Any) -> list[jax.Array]:
+        """Arrays that are all finite iff a bucket's ``output`` and new ``state`` are.
+
+        The non-finite guard of :mod:`jaxcomm.collectives` checks these. The default is the
+        output and every floating state leaf; a compressor whose non-finite values always
+        spread through a scale (OneBit) returns a few elements instead.
+        """
+        leaves = jax.tree_util.tree_leaves(state)
+        return [output, *(x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact))]
+
+    def all_gather(self, row: jax.Array, *, axis_name: str, axis_size: int) -> jax.Array:
+        """Every device's row, stacked ``(n, C)``. Exact unless a compressor overrides it."""
+        return all_gather_replicated(row, axis_name)
+
+    # Bucket-aware entry points, called by jaxcomm.collectives. By default they forward to the
+    # flat methods above; a compressor that needs the leaves' shapes (PowerSGD views leaves as
+    # matrices) overrides them. ``bucket`` is a static :class:`jaxcomm.bucketing.Bucket`.
+
+    def init_bucket_state(self, bucket: Bucket, axis_size: int, op: str) -> Any:
+        """State of one bucket for ``op`` (``"all_reduce"`` or ``"reduce_scatter"``)."""
+        if op == "all_reduce":
+            return self.init_all_reduce_state(bucket.numel, axis_size)
+        return self.init_reduce_scatter_state(bucket.shard_numel(axis_size), axis_size)
+
+    def all_reduce_bucket(
+        self, flat: jax.Array, state: Any, bucket: Bucket, *, axis_name, axis_size, mean
+    ) -> tuple[jax.Array, Any]:
+        """:meth:`all_reduce` of a bucket's concatenated layout, knowing its leaves."""
+        return self.all_reduce(flat, state, axis_name=axis_name, axis_size=axis_size, mean=mean)
+
+    def reduce_scatter_bucket(
+        self, rows: jax.Array, state: Any, bucket: Bucket, *, axis_name, axis_size, mean
+    ) -> tuple[jax.Array, Any]:
+        """:meth:`reduce_scatter` of a bucket's rank-major layout, knowing its leaves."""
+        return self.reduce_scatter(rows, state, axis_name=axis_name, axis_size=axis_size, mean=mean)
+
+
+@dataclass(frozen=True)
+class NoCompression(Compressor):
+    """Exact collectives in each leaf's own dtype, still fused into one collective per bucket.
+
+    Equivalent to ``lax.psum`` / ``lax.pmean`` / ``lax.psum_scatter`` on every leaf, but a tree of
+    300 small leaves costs one collective instead of 300 (DeepSpeed's coalesced operations).
+    """
+
+    lossy = False
+
+    def compute_dtype(self, dtype: np.dtype) -> np.dtype:
+        return np.dtype(dtype)
+
+    def all_reduce(self, flat, state, *, axis_name, axis_size, mean):
+        out = lax.psum(flat, axis_name)
+        return (out / axis_size if mean else out), state
+
+    def reduce_scatter(self, rows, state, *, axis_name, axis_size, mean):
+        row = lax.psum_scatter(ensure_varying(rows, axis_name), axis_name, scatter_dimension=0)
+        return (row / axis_size if mean else row), state

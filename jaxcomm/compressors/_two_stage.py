@@ -1,0 +1,155 @@
+"""Two-stage error feedback and the fp32-reduction skeleton of :class:`Quantize` / :class:`Cast`.
+
+Two-stage compressors (OneBit, Quantize, Cast) compress at a worker stage (each device's input,
+before the all_to_all) and at a server stage (each device's reduced chunk, before the
+all_gather); each stage keeps its residual. :class:`TwoStageState` holds both residuals.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcomm._compat import all_gather_replicated, ensure_varying
+from jaxcomm.compressors._base import Compressor
+
+
+class TwoStageState(NamedTuple):
+    """Error feedback of one all-reduce bucket of OneBit, Quantize or Cast (fp32, per device).
+
+    Attributes:
+      worker_error: ``(n * c,)`` residual of this device's compression of its padded input.
+      server_error: ``(c,)`` residual of this device's recompression of its reduced chunk
+        (``c``: the padded chunk; OneBit pads the bucket to a multiple of ``8 n``).
+    """
+
+    worker_error: jax.Array
+    server_error: jax.Array
+
+
+class TwoStageScatterState(NamedTuple):
+    """Error feedback of one reduce-scatter bucket of OneBit, Quantize or Cast: ``(n * c,)``."""
+
+    worker_error: jax.Array
+
+
+class ReduceInFp32(Compressor):
+    """Skeleton of ``compress -> all_to_all -> decompress and reduce in fp32 -> recompress ->
+    all_gather`` (ByteGrad, torchft, ZeRO++ qgZ): compressed values are never summed on the wire.
+
+    A bucket of ``N`` elements is zero-padded to ``n * B * L`` (``n`` chunks of ``B`` blocks of
+    ``L``); subclasses define the block layout and the codec:
+
+    * ``_layout(chunk_numel) -> (B, L)``;
+    * ``_encode(blocks, divisor) -> (wire, reconstruction)``: ``wire`` is a tuple of arrays with
+      the leading dims of ``blocks``; ``reconstruction`` is what the receivers will decode, in the
+      units of ``blocks`` (``divisor`` is ``n`` at the worker stage, for codecs that pre-divide);
+    * ``_decode(wire)``: the ``(..., B, L)`` fp32 values the wire stands for;
+    * ``_reduce_mean(wire, n)``: the mean over the leading (source device) axis of worker wires.
+    """
+
+    error_feedback: bool
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _layout(self, chunk_numel: int) -> tuple[int, int]: ...
+
+    @abc.abstractmethod
+    def _encode(
+        self, blocks: jax.Array, divisor: int
+    ) -> tuple[tuple[jax.Array, ...], jax.Array]: ...
+
+    @abc.abstractmethod
+    def _decode(self, wire: tuple[jax.Array, ...]) -> jax.Array: ...
+
+    @abc.abstractmethod
+    def _reduce_mean(self, wire: tuple[jax.Array, ...], axis_size: int) -> jax.Array: ...
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def init_all_reduce_state(self, numel: int, axis_size: int) -> TwoStageState | tuple:
+        if not self.error_feedback:
+            return ()
+        blocks, length = self._layout(-(-numel // axis_size))
+        chunk = blocks * length
+        return TwoStageState(
+            worker_error=jnp.zeros((axis_size * chunk,), jnp.float32),
+            server_error=jnp.zeros((chunk,), jnp.float32),
+        )
+
+    def init_reduce_scatter_state(self, row_numel: int, axis_size: int):
+        if not self.error_feedback:
+            return ()
+        blocks, length = self._layout(row_numel)
+        return TwoStageScatterState(jnp.zeros((axis_size * blocks * length,), jnp.float32))
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def _exchange(self, buf, worker_error, axis_name, axis_size, blocks, length):
+        """Worker stage, all_to_all and fp32 reduction: this device's chunk of the mean."""
+        if worker_error is not None:
+            buf = buf + worker_error
+        wire, recon = self._encode(buf.reshape(axis_size, blocks, length), axis_size)
+        if worker_error is not None:
+            worker_error = buf - recon.reshape(-1)
+        wire = tuple(
+            lax.all_to_all(ensure_varying(w, axis_name), axis_name, 0, 0, tiled=True) for w in wire
+        )
+        return self._reduce_mean(wire, axis_size), worker_error
+
+    def all_reduce(self, flat, state, *, axis_name, axis_size, mean):
+        numel = flat.shape[0]
+        blocks, length = self._layout(-(-numel // axis_size))
+        buf = jnp.pad(flat, (0, axis_size * blocks * length - numel))
+        ef = self.error_feedback
+        chunk, worker_error = self._exchange(
+            buf, state.worker_error if ef else None, axis_name, axis_size, blocks, length
+        )
+        if ef:
+            chunk = chunk + state.server_error.reshape(blocks, length)
+        wire, recon = self._encode(chunk, 1)
+        new_state = TwoStageState(worker_error, (chunk - recon).reshape(-1)) if ef else state
+        wire = tuple(all_gather_replicated(w, axis_name) for w in wire)
+        out = self._decode(wire).reshape(-1)[:numel]
+        return (out if mean else out * axis_size), new_state
+
+    def reduce_scatter(self, rows, state, *, axis_name, axis_size, mean):
+        row_numel = rows.shape[1]
+        blocks, length = self._layout(row_numel)
+        buf = jnp.pad(rows, ((0, 0), (0, blocks * length - row_numel))).reshape(-1)
+        ef = self.error_feedback
+        chunk, worker_error = self._exchange(
+            buf, state.worker_error if ef else None, axis_name, axis_size, blocks, length
+        )
+        row = chunk.reshape(-1)[:row_numel]
+        new_state = TwoStageScatterState(worker_error) if ef else state
+        return (row if mean else row * axis_size), new_state
+
+    def all_gather(self, row, *, axis_name, axis_size):
+        """Each device's row is compressed, gathered and decompressed (lossy, no feedback)."""
+        row_numel = row.shape[0]
+        blocks, length = self._layout(row_numel)
+        buf = jnp.pad(row.astype(jnp.float32), (0, blocks * length - row_numel))
+        wire, _ = self._encode(buf.reshape(blocks, length), 1)
+        wire = tuple(all_gather_replicated(ensure_varying(w, axis_name), axis_name) for w in wire)
+        out = self._decode(wire).reshape(axis_size, -1)[:, :row_numel]
+        return out.astype(row.dtype)
+
+
+def unrolled_sum(decode, wire: tuple[jax.Array, ...], axis_size: int) -> jax.Array:
+    """``sum_j decode(wire[j])`` over the leading axis.
+
+    Unrolled for small ``n``: one fused pass reads each received row once and no ``(n, ...)``
+    fp32 buffer is materialized (memory bandwidth is the limit on CPU).
+    """
+    if axis_size <= 16:
+        total = decode(tuple(w[0] for w in wire))
+        for j in range(1, axis_size):
+            total = total + decode(tuple(w[j] for w in wire))
+        return total
+    return jnp.sum(decode(wire), axis=0)

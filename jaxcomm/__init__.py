@@ -37,17 +37,11 @@ from jaxcomm.hierarchical import (
     wire_bytes_by_axes,
 )
 from jaxcomm.hlo import CommsReport, comms_report
-from jaxcomm.optimizers import (
-    CompressedMeanState,
-    LocalState,
-    OneBitAdamState,
-    OneBitLambState,
-    ZeroOneAdamState,
-    compressed_mean,
-    onebit_adam,
-    onebit_lamb,
-    zero_one_adam,
-)
+from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
+from jaxcomm.optim.onebit_adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
+from jaxcomm.optim.onebit_lamb import OneBitLambState, onebit_lamb
+from jaxcomm.optim.sharded import ShardedState, sharded
+from jaxcomm.optim.zero_one_adam import LocalState, ZeroOneAdamState, zero_one_adam
 from jaxcomm.overlap import xla_flags
 from jaxcomm.parallel import (
     TrainState,
@@ -65,7 +59,6 @@ from jaxcomm.parallel import (
     train_state_specs,
 )
 from jaxcomm.resize import resize_state
-from jaxcomm.sharded import ShardedState, sharded
 
 __version__ = "0.1.0"
 
@@ -117,6 +110,7 @@ __all__ = [
     "compressed_mean",
     "onebit_adam",
     "onebit_lamb",
+    "scale_by_onebit_adam",
     "zero_one_adam",
     # data parallel (the live registry is jaxcomm.parallel.PER_DEVICE_TYPES)
     "TrainState",

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.collectives import ReduceState, ScatterState
-from jaxcomm.optimizers import LocalState, ZeroOneAdamState
+from jaxcomm.optim.zero_one_adam import LocalState, ZeroOneAdamState
 
 PyTree = Any
 

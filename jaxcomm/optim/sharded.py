@@ -45,7 +45,6 @@ and int8 weights about ``2 (n-1)/n * N`` (plus one fp32 scale per block), 4x les
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -63,7 +62,7 @@ from jaxcomm.collectives import (
     shard_shapes,
 )
 from jaxcomm.compressors import Compressor, NoCompression
-from jaxcomm.optimizers import _check_compressor, _static_bucket_bytes, resolve_axis_size
+from jaxcomm.optim._common import check_compressor, resolve_axis_size, static_bucket_bytes
 from jaxcomm.parallel import register_per_device_type
 
 PyTree = Any
@@ -172,9 +171,9 @@ def sharded(
     """
     compressor = NoCompression() if compressor is None else compressor
     gather_compressor = NoCompression() if gather_compressor is None else gather_compressor
-    _check_compressor(compressor)
-    _check_compressor(gather_compressor)
-    bucket_bytes = _static_bucket_bytes(bucket_bytes)
+    check_compressor(compressor)
+    check_compressor(gather_compressor)
+    bucket_bytes = static_bucket_bytes(bucket_bytes)
     keep_master = gather_compressor.lossy
 
     def init_fn(params):
@@ -239,6 +238,3 @@ def sharded(
         return delta, ShardedState(inner, comm, master)
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-__all__: Sequence[str] = ("MasterShards", "ShardedState", "shard_of", "sharded")

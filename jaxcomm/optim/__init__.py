@@ -1,0 +1,40 @@
+"""Optax transformations that communicate through jaxcomm's compressed collectives.
+
+One module per optimizer family (the public names are re-exported by :mod:`jaxcomm`):
+
+* :mod:`~jaxcomm.optim.compressed_mean`: the (compressed) mean of the gradients, with error
+  feedback; chain it before any optax optimizer:
+  ``optax.chain(jc.compressed_mean("dp"), optax.adam(1e-3))``.
+* :mod:`~jaxcomm.optim.onebit_adam`: DeepSpeed's 1-bit Adam (exact warm-up, then 1-bit
+  momentum all-reduce), as ``scale_by_onebit_adam`` (the direction) and ``onebit_adam``.
+* :mod:`~jaxcomm.optim.zero_one_adam`: DeepSpeed's 0/1 Adam (adaptive variance freezing and
+  local steps).
+* :mod:`~jaxcomm.optim.onebit_lamb`: DeepSpeed's 1-bit LAMB (exact LAMB warm-up, then 1-bit
+  momentum with frozen, corrected trust ratios).
+* :mod:`~jaxcomm.optim.sharded`: ZeRO 1-2 around any optax transformation (compressed
+  reduce-scatter and all-gather).
+* ``_common``: validation and tree helpers shared by the above.
+
+Each transformation's ``update`` runs where the data-parallel axis is bound (inside
+``jax.shard_map`` or ``jax.pmap``, e.g. via :mod:`jaxcomm.parallel`) and takes **this device's
+local gradients**: the transformation does the cross-device communication itself.
+
+State layout. Leaves of a state are either **replicated** (identical on every device: step
+counts, Adam moments computed from reduced values, hyperparameters) or **per-device** (the
+error feedback of the 1-bit collectives, 0/1 Adam's local momentum). Per-device leaves live only
+inside the NamedTuple types listed in :data:`jaxcomm.parallel.PER_DEVICE_TYPES`
+(``jc.ReduceState``, ``jc.ScatterState``, ``jc.LocalState``, ``jc.ShardedState``), so
+:func:`jaxcomm.parallel.state_partition_specs` can tell them apart by walking the tree.
+
+``init`` needs the size of the axis to lay out the error feedback. It is taken from the
+``axis_size`` argument; if that is ``None``, from ``lax.axis_size(axis_name)`` when ``init`` is
+called where the axis is bound (in ``shard_map``/``pmap``, or under ``jax.vmap(...,
+axis_name=...)`` as :mod:`jaxcomm.parallel` does), else from ``jax.device_count()``.
+
+Dtypes. Moments and error feedback are fp32 whatever the parameter dtype; updates are returned
+in each parameter's dtype (bf16 parameters get bf16 updates). Learning rates accept optax
+schedules (evaluated at the step count, starting at 0) and ``optax.inject_hyperparams`` works;
+pass ``static_args=("bucket_bytes", "axis_size")`` to it when you set those to integers, and
+``hyperparam_dtype=jnp.float32`` with bf16 parameters (optax otherwise stores the
+hyperparameters in the parameters' dtype, where ``b2 = 0.999`` rounds to 1.0).
+"""

@@ -1,0 +1,158 @@
+"""Validation and small tree helpers shared by the optimizers of :mod:`jaxcomm.optim`.
+
+Private to the subpackage (the module name starts with ``_``; its names do not).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxcomm._compat import ensure_varying
+from jaxcomm.collectives import compressed_pmean
+from jaxcomm.compressors import Compressor, NoCompression
+
+PyTree = Any
+
+
+def resolve_axis_size(axis_name: str, axis_size: int | None = None) -> int:
+    """``axis_size`` if given, else the bound size of ``axis_name``, else ``jax.device_count()``."""
+    if axis_size is not None:
+        size = int(np.asarray(axis_size))
+        if size < 1:
+            raise ValueError(f"jaxcomm: axis_size must be a positive int, got {axis_size!r}")
+        return size
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError:
+        return jax.device_count()
+
+
+def static_bucket_bytes(bucket_bytes) -> int | None:
+    """``bucket_bytes`` as a static int (or ``None``); a traced value is refused."""
+    if bucket_bytes is None or isinstance(bucket_bytes, int):
+        return bucket_bytes
+    try:
+        return int(np.asarray(bucket_bytes))
+    except (TypeError, jax.errors.ConcretizationTypeError) as err:
+        raise TypeError(
+            "jaxcomm: bucket_bytes must be a static int. Under optax.inject_hyperparams pass "
+            "static_args=('bucket_bytes', 'axis_size')."
+        ) from err
+
+
+def check_compressor(compressor) -> None:
+    if not isinstance(compressor, Compressor):
+        raise TypeError(
+            f"jaxcomm: compressor must be a jaxcomm Compressor (e.g. jc.OneBit()), got "
+            f"{compressor!r}"
+        )
+
+
+def check_static_range(
+    opt: str, name: str, value, low=None, high=None, *, low_open=False, high_open=False
+) -> None:
+    """Raise for a hyperparameter known at trace time outside ``[low, high]`` (or open ends)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        return  # traced (optax.inject_hyperparams) or an array: not checked
+    v = float(value)
+    bad = not np.isfinite(v)
+    if low is not None:
+        bad = bad or (v <= low if low_open else v < low)
+    if high is not None:
+        bad = bad or (v >= high if high_open else v > high)
+    if bad:
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        interval = f"{'(' if low_open else '['}{lo}, {hi}{')' if high_open else ']'}"
+        raise ValueError(f"jaxcomm: {opt} {name} must be in {interval}, got {value!r}")
+
+
+def f32(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
+def zeros_f32(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+
+
+def learning_rate_at(learning_rate: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:
+    """The learning rate (a float or an optax schedule of the step count) as an fp32 scalar."""
+    lr = learning_rate(count) if callable(learning_rate) else learning_rate
+    return jnp.asarray(lr, jnp.float32)
+
+
+def is_static_zero(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
+
+
+def static_int(value) -> int | None:
+    """``value`` as a Python int when it is known at trace time, else ``None``."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | np.integer):
+        return int(value)
+    return None
+
+
+def needs_params(params, weight_decay, name: str) -> None:
+    if params is None and not is_static_zero(weight_decay):
+        raise ValueError(
+            f"jaxcomm: {name} with weight_decay needs params: call update(grads, state, params)"
+        )
+
+
+def cast_like(updates: PyTree, like: PyTree) -> PyTree:
+    return jax.tree.map(lambda u, x: u.astype(jnp.asarray(x).dtype), updates, like)
+
+
+def ema(moments: PyTree, values: PyTree, decay: jax.Array, order: int = 1) -> PyTree:
+    """``decay * moments + (1 - decay) * values**order``, the EMA of ``optax.tree.update_moment``.
+
+    Not ``optax.tree.update_moment`` itself: it writes the two terms in the other order, and XLA
+    on CPU then fuses the sum into a multiply-add the other way round, which changes fp32 results
+    in the last bit (measured: every 1-bit optimizer differed from its previous release). ``decay``
+    is an fp32 array, so ``1 - decay`` is rounded in fp32 as DeepSpeed's fp32 buffers do (a Python
+    float would round ``1 - 0.9`` in double first).
+    """
+    return jax.tree.map(lambda m, x: decay * m + (1 - decay) * x**order, moments, values)
+
+
+def exact_mean(tree: PyTree, axis_name: str, bucket_bytes: int | None) -> PyTree:
+    """Exact mean, fused into one collective per bucket (``NoCompression`` is stateless)."""
+    out, _ = compressed_pmean(
+        tree, None, axis_name=axis_name, compressor=NoCompression(), bucket_bytes=bucket_bytes
+    )
+    return out
+
+
+def compressed_mean_call(tree, comm, axis_name, compressor, bucket_bytes):
+    """``compressed_pmean`` that keeps a leafless state (exact compressors) as it was."""
+    if not jax.tree_util.tree_leaves(comm):
+        out, _ = compressed_pmean(
+            tree, None, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes
+        )
+        return out, comm
+    return compressed_pmean(
+        tree, comm, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes
+    )
+
+
+def varying(tree: PyTree, axis_name: str) -> PyTree:
+    return jax.tree.map(lambda x: ensure_varying(x, axis_name), tree)
+
+
+def norm(x: jax.Array) -> jax.Array:
+    return jnp.sqrt(jnp.sum(jnp.square(x)))
+
+
+def unzip(out: PyTree, like: PyTree, k: int = 2) -> tuple:
+    """A tree of ``k``-tuples (structured like ``like``) -> ``k`` trees."""
+    treedef = jax.tree.structure(like)
+    rows = treedef.flatten_up_to(out)
+    return tuple(treedef.unflatten([row[i] for row in rows]) for i in range(k))

@@ -1,0 +1,304 @@
+"""DeepSpeed's 1-bit LAMB: exact LAMB warm-up, then 1-bit momentum with frozen trust ratios.
+
+Li et al., 2021, "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training with
+LAMB's Convergence Speed" (arXiv:2104.06069). One block: the frozen trust ratio scales the
+learning rate per leaf and the correction factor needs the update's norm with weight decay, so
+the direction, the decay and the learning rate do not separate into optax pieces.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxcomm.collectives import ReduceState, init_state
+from jaxcomm.compressors import Compressor, OneBit
+from jaxcomm.optim._common import (
+    PyTree,
+    cast_like,
+    check_compressor,
+    check_static_range,
+    compressed_mean_call,
+    ema,
+    exact_mean,
+    f32,
+    learning_rate_at,
+    norm,
+    resolve_axis_size,
+    static_bucket_bytes,
+    static_int,
+    unzip,
+    zeros_f32,
+)
+
+
+class OneBitLambState(NamedTuple):
+    """State of :func:`onebit_lamb`. Everything but ``comm`` is replicated.
+
+    Attributes:
+      count: updates done so far (int32 scalar).
+      mu: first moment, fp32 (after the switch: the 1-bit mean with the scaling removed).
+      nu: second moment, fp32, frozen after ``freeze_step``.
+      nu_fresh: DeepSpeed's ``exp_avg_sq_fresh``, fp32: a copy of ``nu`` at update
+        ``freeze_step``, then updated from the gradient reconstructed from the momenta.
+      coeff_freeze: per leaf, an fp32 scalar: the EMA of the warm-up trust ratios
+        (DeepSpeed's ``lamb_coeff_freeze``, starts at 0), frozen after ``freeze_step``.
+      last_factor: per leaf, an fp32 scalar: the previous correction factor (starts at 1).
+      scaling_coeff: per leaf, an fp32 scalar: the momentum scaling coefficient, 1 until the
+        first compression update computes it.
+      comm: error feedback of the 1-bit momentum all-reduce (per-device ``jc.ReduceState``).
+    """
+
+    count: jax.Array
+    mu: PyTree
+    nu: PyTree
+    nu_fresh: PyTree
+    coeff_freeze: PyTree
+    last_factor: PyTree
+    scaling_coeff: PyTree
+    comm: ReduceState
+
+
+def onebit_lamb(
+    learning_rate: optax.ScalarOrSchedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    freeze_step: int = 100000,
+    max_coeff: float = 10.0,
+    min_coeff: float = 0.01,
+    coeff_beta: float = 0.9,
+    factor_max: float = 4.0,
+    factor_min: float = 0.5,
+    factor_threshold: float = 0.1,
+    *,
+    axis_name: str,
+    compressor: Compressor | None = None,
+    bucket_bytes: int | None = None,
+    axis_size: int | None = None,
+) -> optax.GradientTransformation:
+    """DeepSpeed's 1-bit LAMB (``OnebitLamb``) as an optax transformation over local gradients.
+
+    Li et al., 2021, "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training with
+    LAMB's Convergence Speed" (arXiv:2104.06069). Every leaf of the parameter tree is one of
+    DeepSpeed's parameter tensors: trust ratios and coefficients are per leaf. With
+    ``t = count + 1`` the 1-based update, ``g_r`` this device's gradient, ``p`` a leaf of the
+    parameters and norms taken over the leaf (DeepSpeed defaults in brackets):
+
+    * warm-up, ``t <= freeze_step`` (100000): LAMB on the exact mean gradient ``g = mean_r g_r``:
+      ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g^2``; ``u = m / (sqrt(v) + eps) + wd p``;
+      the trust ratio ``c = clip(||p|| / ||u||, min_coeff (0.01), max_coeff (10))``, or
+      ``c = 1`` when either norm is 0; if ``c != 1``, ``coeff_freeze = coeff_beta (0.9)
+      coeff_freeze + (1 - coeff_beta) c`` (DeepSpeed's rule, including the skip at exactly 1);
+      ``p -= lr c u``. At ``t = freeze_step``, ``v_fresh = v``.
+    * the switch, ``t = freeze_step + 1``, before anything else: per leaf ``s_p = ||m_p|| /
+      sqrt(numel_p)`` and ``scaling_coeff_p = mean_q(s_q) / s_p``, kept for the rest of the run.
+    * compression, ``t > freeze_step``: ``m_prev = m``; ``m_r = (b1 m + (1-b1) g_r) *
+      scaling_coeff`` locally; ``m = OneBit-mean_r(m_r) / scaling_coeff`` (worker and server
+      error feedback; ``v`` stays frozen); ``g~ = (m - b1 m_prev) / (1 - b1)`` and ``v_fresh =
+      b2 v_fresh + (1-b2) g~^2``; ``u = m / (sqrt(v) + eps) + wd p``; the correction factor
+      ``f = max(elementwise (sqrt(v) + eps) / (sqrt(v_fresh) + eps))``, with weight decay
+      ``r = min(1, ||m / (sqrt(v) + eps)|| / ||u||)`` and ``f = f r + (1 - r)``; then ``f`` is
+      clipped to ``[factor_min (0.5), factor_max (4)]`` and to ``[(1 - factor_threshold (0.1))
+      f_prev, (1 + factor_threshold) f_prev]`` (``f_prev`` starts at 1); ``p -= lr
+      coeff_freeze f u``.
+
+    The returned optax update is ``-lr(count) * c * u`` with ``c = coeff_freeze f`` after the
+    switch (apply it with ``optax.apply_updates``), in each parameter's dtype.
+
+    Like DeepSpeed there is no bias correction (DeepSpeed reads the flag and ignores it), and
+    ``update`` always needs ``params`` (the trust ratio uses ``||p||``).
+
+    Differences from DeepSpeed, on purpose: DeepSpeed's first ``step()`` only allocates buffers
+    (so it runs ``freeze_step - 1`` real warm-up updates); here every call is an update and
+    there are exactly ``freeze_step`` warm-up updates (in both, ``v_fresh`` is ``v`` after the
+    last of them). The error feedback is part of the state and
+    survives checkpoints (DeepSpeed drops it on load, and restarts the warm-up coefficients when
+    loading a warm-up checkpoint; here a resumed run is the uninterrupted run). A leaf whose
+    momentum is all zero at the switch gets ``scaling_coeff = 1`` (DeepSpeed divides by zero)
+    and empty leaves are left out of the mean; an update of norm 0 gives ``r = 1``. DeepSpeed's
+    ``exp_avg_mask`` is not supported. The momenta of all leaves are one flat buffer as in
+    DeepSpeed when ``bucket_bytes=None`` (the default), padded to a multiple of ``8 n`` (jaxcomm's
+    rule; DeepSpeed pads to a multiple of ``n lcm(n, 8)``, the same for ``n`` = 1, 2, 4, 8), and
+    the padding is zero at every step (DeepSpeed's fused buffer keeps its padding tail between
+    steps, so the tail carries the previous step's 1-bit output into the next scales).
+
+    Args:
+      learning_rate: a float or an optax schedule of the step count.
+      b1, b2, eps, weight_decay: as DeepSpeed's ``OnebitLamb`` (``weight_decay`` is L2 added to
+        the update).
+      freeze_step: number of exact warm-up updates, at least 1 (the frozen trust ratio comes
+        from the warm-up; may be a traced int).
+      max_coeff, min_coeff: clip of the warm-up trust ratio.
+      coeff_beta: EMA coefficient of the trust ratio (``1 / (1 - coeff_beta)`` should not
+        exceed ``freeze_step``, DeepSpeed advises).
+      factor_max, factor_min, factor_threshold: clips of the correction factor.
+      axis_name: the data-parallel axis.
+      compressor: default ``jc.OneBit()``.
+      bucket_bytes: bucket size of the momentum all-reduce (and the warm-up gradient mean);
+        ``None``: one bucket.
+      axis_size: devices on the axis, for ``init``.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a :class:`OneBitLambState`; ``comm`` is
+      per device, the rest replicated. Parameters stay replicated.
+    """
+    compressor = OneBit() if compressor is None else compressor
+    check_compressor(compressor)
+    bucket_bytes = static_bucket_bytes(bucket_bytes)
+    static_freeze = static_int(freeze_step)
+    if static_freeze is not None and static_freeze < 1:
+        raise ValueError(
+            f"jaxcomm: onebit_lamb needs freeze_step >= 1 (the frozen LAMB coefficient is an "
+            f"average over the warm-up), got {freeze_step!r}"
+        )
+    check_static_range("onebit_lamb", "b1", b1, 0.0, 1.0, high_open=True)  # g~ divides by 1 - b1
+    check_static_range("onebit_lamb", "b2", b2, 0.0, 1.0)
+    check_static_range("onebit_lamb", "coeff_beta", coeff_beta, 0.0, 1.0)
+    check_static_range("onebit_lamb", "min_coeff", min_coeff, 0.0, low_open=True)
+    check_static_range("onebit_lamb", "max_coeff", max_coeff, 0.0, low_open=True)
+    check_static_range("onebit_lamb", "factor_min", factor_min, 0.0, low_open=True)
+    check_static_range("onebit_lamb", "factor_max", factor_max, 0.0, low_open=True)
+    check_static_range("onebit_lamb", "factor_threshold", factor_threshold, 0.0)
+    for low, high, names in (
+        (min_coeff, max_coeff, "min_coeff <= max_coeff"),
+        (factor_min, factor_max, "factor_min <= factor_max"),
+    ):
+        if isinstance(low, int | float) and isinstance(high, int | float) and low > high:
+            raise ValueError(f"jaxcomm: onebit_lamb needs {names}, got {low!r} > {high!r}")
+
+    def init_fn(params):
+        n = resolve_axis_size(axis_name, axis_size)
+        mu = zeros_f32(params)
+        comm = init_state(compressor, mu, axis_size=n, bucket_bytes=bucket_bytes)
+
+        def scalars(value):
+            return jax.tree.map(lambda _: jnp.full([], value, jnp.float32), params)
+
+        return OneBitLambState(
+            count=jnp.zeros([], jnp.int32),
+            mu=mu,
+            nu=zeros_f32(params),
+            nu_fresh=zeros_f32(params),
+            coeff_freeze=scalars(0.0),
+            last_factor=scalars(1.0),
+            scaling_coeff=scalars(1.0),
+            comm=comm,
+        )
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(
+                "jaxcomm: onebit_lamb needs params for the trust ratio: call "
+                "update(grads, state, params)"
+            )
+        grads = f32(updates)
+        p32 = f32(params)
+        b1_, b2_, eps_ = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
+        wd = jnp.asarray(weight_decay, jnp.float32)
+        lr = learning_rate_at(learning_rate, state.count)
+        t = optax.safe_increment(state.count)
+
+        def lamb_update(m, v, p):
+            """(m / (sqrt(v) + eps), the same plus weight decay, sqrt(v) + eps) of one leaf."""
+            denom = jnp.sqrt(v) + eps_
+            prelim = m / denom
+            return prelim, prelim + wd * p, denom
+
+        def warm(g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm):
+            g = exact_mean(g, axis_name, bucket_bytes)
+            mu, nu = ema(mu, g, b1_), ema(nu, g, b2_, 2)
+            nu_fresh = jax.tree.map(lambda v, vf: jnp.where(t == freeze_step, v, vf), nu, nu_fresh)
+
+            def leaf(m, v, p, cf):
+                _, update, _ = lamb_update(m, v, p)
+                w_norm, u_norm = norm(p), norm(update)
+                ratio = jnp.clip(w_norm / jnp.where(u_norm > 0, u_norm, 1), min_coeff, max_coeff)
+                coeff = jnp.where((w_norm > 0) & (u_norm > 0), ratio, 1.0).astype(jnp.float32)
+                avg = coeff_beta * cf + (1 - coeff_beta) * coeff
+                cf = jnp.where(coeff != 1.0, avg, cf).astype(jnp.float32)
+                return -lr * coeff * update, cf
+
+            out = jax.tree.map(leaf, mu, nu, p32, coeff_freeze)
+            delta, coeff_freeze = unzip(out, mu)
+            return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta
+
+        def compress(g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm):
+            scaling = jax.tree.map(
+                lambda new, old: jnp.where(t == freeze_step + 1, new, old),
+                _scaling_coefficients(mu),
+                scaling,
+            )
+            local = jax.tree.map(lambda m, x, s: (b1_ * m + (1 - b1_) * x) * s, mu, g, scaling)
+            avg, comm = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
+            m_prev = mu
+            mu = jax.tree.map(lambda a, s: a / s, avg, scaling)
+
+            def leaf(m, m_last, v, vf, p, cf, last):
+                g_rec = (m - b1_ * m_last) / (1 - b1_)
+                vf = b2_ * vf + (1 - b2_) * jnp.square(g_rec)
+                prelim, update, denom = lamb_update(m, v, p)
+                u_norm = norm(update)
+                factor = jnp.max(denom / (jnp.sqrt(vf) + eps_), initial=0.0)
+                ratio = jnp.where(
+                    u_norm > 0,
+                    jnp.minimum(1.0, norm(prelim) / jnp.where(u_norm > 0, u_norm, 1)),
+                    1.0,
+                )
+                factor = jnp.where(wd > 0, factor * ratio + (1 - ratio), factor)
+                factor = jnp.maximum(jnp.minimum(factor, factor_max), factor_min)
+                factor = jnp.minimum(factor, last * (1 + factor_threshold))
+                factor = jnp.maximum(factor, last * (1 - factor_threshold)).astype(jnp.float32)
+                return (vf, factor, -lr * (cf * factor) * update)
+
+            out = jax.tree.map(leaf, mu, m_prev, nu, nu_fresh, p32, coeff_freeze, last_factor)
+            nu_fresh, last_factor, delta = unzip(out, mu, 3)
+            return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta
+
+        args = (
+            grads,
+            state.mu,
+            state.nu,
+            state.nu_fresh,
+            state.coeff_freeze,
+            state.last_factor,
+            state.scaling_coeff,
+            state.comm,
+        )
+        mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta = lax.cond(
+            state.count < freeze_step, warm, compress, *args
+        )
+        new_state = OneBitLambState(
+            count=t,
+            mu=mu,
+            nu=nu,
+            nu_fresh=nu_fresh,
+            coeff_freeze=coeff_freeze,
+            last_factor=last_factor,
+            scaling_coeff=scaling,
+            comm=comm,
+        )
+        return cast_like(delta, params), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _scaling_coefficients(mu: PyTree) -> PyTree:
+    """1-bit LAMB's ``mean_q(s_q) / s_p`` with ``s_p = ||m_p|| / sqrt(numel_p)``, per leaf.
+
+    Empty leaves are left out of the mean; a leaf with ``s_p = 0`` (or an empty one) gets 1.
+    """
+    leaves, treedef = jax.tree.flatten(mu)
+    scales = [norm(m) / np.sqrt(m.size) if m.size else jnp.zeros([], jnp.float32) for m in leaves]
+    counted = [s for s, m in zip(scales, leaves, strict=True) if m.size]
+    united = sum(counted) / len(counted) if counted else jnp.zeros([], jnp.float32)
+    coeffs = [
+        jnp.where(s > 0, united / jnp.where(s > 0, s, 1), 1.0).astype(jnp.float32) for s in scales
+    ]
+    return treedef.unflatten(coeffs)

@@ -1,0 +1,306 @@
+"""DeepSpeed's 0/1 Adam: adaptive variance freezing and 1-bit synchronisation of local steps.
+
+Lu et al., 2022, "Maximizing Communication Efficiency for Large-scale Training via 0/1 Adam"
+(arXiv:2202.06009).
+
+One block, not a ``scale_by_*`` chain: a synchronisation step un-does the local parameter
+updates of the last interval and applies their 1-bit mean, and both are sums of
+``lr * update`` over the interval (``u`` and ``lrs``); the learning rate is therefore inside
+the algorithm, not a scale applied after it. The step is split into one function per branch
+(variance update, 1-bit momentum, local step, synchronisation) and one for the interval
+policies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxcomm.collectives import ReduceState, init_state
+from jaxcomm.compressors import Compressor, OneBit
+from jaxcomm.optim._common import (
+    PyTree,
+    cast_like,
+    check_compressor,
+    compressed_mean_call,
+    ema,
+    exact_mean,
+    f32,
+    learning_rate_at,
+    needs_params,
+    resolve_axis_size,
+    static_bucket_bytes,
+    varying,
+    zeros_f32,
+)
+
+
+class LocalState(NamedTuple):
+    """0/1 Adam's per-device leaves (they differ between devices between synchronisations).
+
+    Attributes:
+      mu: first moment, fp32, shaped like the parameters.
+      u: accumulated local updates since the last synchronisation (DeepSpeed's
+        ``momentum_accumulator``), fp32, shaped like the parameters.
+    """
+
+    mu: PyTree
+    u: PyTree
+
+
+class ZeroOneAdamState(NamedTuple):
+    """State of :func:`zero_one_adam`. Scalars are replicated int32/fp32.
+
+    Attributes:
+      count: updates done so far.
+      var_interval: steps between variance updates (doubles every ``var_update_scaler``).
+      var_counter: variance updates since ``var_interval`` last doubled.
+      local_interval: steps between synchronisations after the variance freeze.
+      local_counter: frozen-stage steps since ``local_interval`` last doubled.
+      lrs: sum of the learning rates since the last synchronisation.
+      nu: second moment, fp32, replicated.
+      local: per-device :class:`LocalState` (momentum and accumulated local updates).
+      comm: per-device error feedback (``jc.ReduceState``), shared by the 1-bit gradient
+        all-reduce and the 1-bit all-reduce of the accumulated updates; zeroed at the freeze.
+    """
+
+    count: jax.Array
+    var_interval: jax.Array
+    var_counter: jax.Array
+    local_interval: jax.Array
+    local_counter: jax.Array
+    lrs: jax.Array
+    nu: PyTree
+    local: LocalState
+    comm: ReduceState
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What one traced update of 0/1 Adam needs besides the state (constants of the trace)."""
+
+    b1: jax.Array
+    b2: jax.Array
+    eps: jax.Array
+    wd: jax.Array
+    lr: jax.Array
+    t: jax.Array
+    var_freeze_step: int | jax.Array
+    params: PyTree | None
+    axis_name: str
+    compressor: Compressor
+    bucket_bytes: int | None
+
+    def adam_step(self, mu: PyTree, nu: PyTree) -> PyTree:
+        """``lr * (m / (sqrt(v) + eps) + wd * p)`` per leaf (before the sign)."""
+
+        def one(m, v, p):
+            update = m / (jnp.sqrt(v) + self.eps)
+            if p is not None:
+                update = update + self.wd * p
+            return self.lr * update
+
+        if self.params is None:
+            return jax.tree.map(lambda m, v: one(m, v, None), mu, nu)
+        return jax.tree.map(one, mu, nu, self.params)
+
+    def finish(self, mu, nu, u, lrs, comm, delta):
+        # All branches agree on types: per-device leaves varying, the rest replicated.
+        return (
+            varying(mu, self.axis_name),
+            nu,
+            varying(u, self.axis_name),
+            jnp.asarray(lrs, jnp.float32),
+            comm,
+            varying(delta, self.axis_name),
+        )
+
+    def onebit_mean(self, tree, comm):
+        return compressed_mean_call(tree, comm, self.axis_name, self.compressor, self.bucket_bytes)
+
+    # The four branches, selected by lax.switch in this order.
+
+    def var_update(self, g, mu, nu, u, lrs, comm):
+        """Variance stage, ``t % var_interval == 0``: exact mean updates both moments."""
+        g = exact_mean(g, self.axis_name, self.bucket_bytes)
+        mu, nu = ema(mu, g, self.b1), ema(nu, g, self.b2, 2)
+        return self.finish(mu, nu, u, lrs, comm, _neg(self.adam_step(mu, nu)))
+
+    def onebit_momentum(self, g, mu, nu, u, lrs, comm):
+        """Variance stage, other steps: the 1-bit mean gradient updates ``m`` only."""
+        g, comm = self.onebit_mean(g, comm)
+        mu = ema(mu, g, self.b1)
+        return self.finish(mu, nu, u, lrs, comm, _neg(self.adam_step(mu, nu)))
+
+    def local_step(self, g, mu, nu, u, lrs, comm):
+        """Frozen stage, no synchronisation: a local Adam step, accumulated in ``u``."""
+        mu = ema(mu, g, self.b1)
+        step = self.adam_step(mu, nu)
+        u = jax.tree.map(lambda a, s: a - s, u, step)
+        return self.finish(mu, nu, u, lrs + self.lr, comm, _neg(step))
+
+    def local_step_sync(self, g, mu, nu, u, lrs, comm):
+        """Frozen stage, ``t % local_interval == 0``: the local step, then the 1-bit mean of
+        the accumulated updates replaces them."""
+        mu = ema(mu, g, self.b1)
+        lrs = lrs + self.lr
+        step = self.adam_step(mu, nu)
+        u = jax.tree.map(lambda a, s: a - s, u, step)
+        # Zero the error feedback at the variance freeze (the first frozen step is always a
+        # synchronisation: local_interval is still 1 then).
+        first = self.t == self.var_freeze_step + 1
+        comm = jax.tree.map(lambda e: jnp.where(first, jnp.zeros_like(e), e), comm)
+        denom = jax.tree.map(lambda v: jnp.sqrt(v) + self.eps, nu)
+        scaled = jax.tree.map(lambda a, d: a * d, u, denom)
+        avg, comm = self.onebit_mean(scaled, comm)
+        mu = jax.tree.map(lambda a: -a / lrs, avg)
+        # p + delta = (p - lr*update) - u + avg / denom, DeepSpeed's order of the three terms.
+        delta = jax.tree.map(lambda s, a, c, d: (-s - a) + c / d, step, u, avg, denom)
+        return self.finish(mu, nu, jax.tree.map(jnp.zeros_like, u), 0.0, comm, delta)
+
+
+def _neg(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: -x, tree)
+
+
+def _intervals(state: ZeroOneAdamState, t, frozen, var_step, scalers) -> dict:
+    """DeepSpeed's interval policies, applied after the step's update."""
+    var_update_scaler, local_step_scaler, local_step_clipper = scalers
+    var_counted = jnp.logical_and(~frozen, var_step)
+    var_counter = jnp.where(var_counted, state.var_counter + 1, state.var_counter)
+    var_doubles = var_counter == var_update_scaler
+    var_counter = jnp.where(var_doubles, 0, var_counter).astype(jnp.int32)
+    var_interval = jnp.where(var_doubles, state.var_interval * 2, state.var_interval)
+    local_counter = jnp.where(frozen, state.local_counter + 1, state.local_counter)
+    local_doubles = local_counter == local_step_scaler
+    local_counter = jnp.where(local_doubles, 0, local_counter).astype(jnp.int32)
+    local_interval = jnp.where(
+        local_doubles,
+        jnp.minimum(local_step_clipper, state.local_interval * 2),
+        state.local_interval,
+    )
+    return dict(
+        var_interval=var_interval.astype(jnp.int32),
+        var_counter=var_counter,
+        local_interval=local_interval.astype(jnp.int32),
+        local_counter=local_counter,
+    )
+
+
+def zero_one_adam(
+    learning_rate: optax.ScalarOrSchedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    var_freeze_step: int = 100000,
+    var_update_scaler: int = 16,
+    local_step_scaler: int = 32678,
+    local_step_clipper: int = 16,
+    *,
+    axis_name: str,
+    compressor: Compressor | None = None,
+    bucket_bytes: int | None = None,
+    axis_size: int | None = None,
+) -> optax.GradientTransformation:
+    """DeepSpeed's 0/1 Adam (``ZeroOneAdam``) over local gradients.
+
+    **Parameters are per device**: after the variance freeze, devices take local steps and only
+    synchronise every ``local_interval`` steps, so their parameters differ in between (and, by
+    rounding, slightly even after). Keep one copy per device: :mod:`jaxcomm.parallel` stacks
+    the parameters on the axis for this optimizer (it detects a :class:`ZeroOneAdamState`).
+
+    With ``t = count + 1`` the 1-based step (DeepSpeed defaults in brackets):
+
+    * variance stage, ``t <= var_freeze_step`` (100000): if ``t % var_interval == 0`` the exact
+      mean gradient ``g`` updates both moments, ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2)
+      g^2``; otherwise the 1-bit mean of the local gradients updates ``m`` only. Then
+      ``update = m / (sqrt(v) + eps) + weight_decay * p``, ``p -= lr * update``. After a
+      variance update, ``var_counter += 1``; when it reaches ``var_update_scaler`` (16) it resets
+      and ``var_interval`` doubles.
+    * at the first frozen step both error buffers are zeroed.
+    * frozen stage, ``t > var_freeze_step``: ``m = b1 m + (1-b1) g_r`` from the local gradient;
+      ``lrs += lr``; ``p -= lr * update``; ``u -= lr * update``. If ``t % local_interval == 0``
+      (a synchronisation): ``p -= u``; ``u *= sqrt(v) + eps``; ``u = OneBit-mean(u)``;
+      ``m = -u / lrs``; ``p += u / (sqrt(v) + eps)``; ``u = 0``; ``lrs = 0``. Then
+      ``local_counter += 1``; when it reaches ``local_step_scaler`` (32678) it resets and
+      ``local_interval = min(local_step_clipper (16), 2 * local_interval)``.
+
+    No bias correction (DeepSpeed reads the flag and ignores it). DeepSpeed's first ``step()``
+    only allocates buffers, so its interval checks see ``t + 1``; here ``t`` counts real updates
+    from 1. Everything else, including the shared error buffers for both 1-bit all-reduces, is
+    DeepSpeed's rule. The returned optax update is the parameter change of the step.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a :class:`ZeroOneAdamState`. ``update``
+      needs ``params`` when ``weight_decay`` is non-zero.
+    """
+    compressor = OneBit() if compressor is None else compressor
+    check_compressor(compressor)
+    bucket_bytes = static_bucket_bytes(bucket_bytes)
+    scalers = (var_update_scaler, local_step_scaler, local_step_clipper)
+
+    def init_fn(params):
+        n = resolve_axis_size(axis_name, axis_size)
+        zeros = zeros_f32(params)
+        comm = init_state(compressor, zeros, axis_size=n, bucket_bytes=bucket_bytes)
+        one = jnp.ones([], jnp.int32)
+        zero = jnp.zeros([], jnp.int32)
+        return ZeroOneAdamState(
+            count=zero,
+            var_interval=one,
+            var_counter=zero,
+            local_interval=one,
+            local_counter=zero,
+            lrs=jnp.zeros([], jnp.float32),
+            nu=zeros_f32(params),
+            local=LocalState(mu=zeros, u=zeros_f32(params)),
+            comm=comm,
+        )
+
+    def update_fn(updates, state, params=None):
+        needs_params(params, weight_decay, "zero_one_adam")
+        t = optax.safe_increment(state.count)
+        step = _Step(
+            b1=jnp.asarray(b1, jnp.float32),
+            b2=jnp.asarray(b2, jnp.float32),
+            eps=jnp.asarray(eps, jnp.float32),
+            wd=jnp.asarray(weight_decay, jnp.float32),
+            lr=learning_rate_at(learning_rate, state.count),
+            t=t,
+            var_freeze_step=var_freeze_step,
+            params=None if params is None else f32(params),
+            axis_name=axis_name,
+            compressor=compressor,
+            bucket_bytes=bucket_bytes,
+        )
+        frozen = t > var_freeze_step
+        var_step = (t % state.var_interval) == 0
+        sync = (t % state.local_interval) == 0
+        branch = jnp.where(frozen, jnp.where(sync, 3, 2), jnp.where(var_step, 0, 1))
+        mu, nu, u, lrs, comm, delta = lax.switch(
+            branch.astype(jnp.int32),
+            (step.var_update, step.onebit_momentum, step.local_step, step.local_step_sync),
+            f32(updates),
+            varying(state.local.mu, axis_name),
+            state.nu,
+            varying(state.local.u, axis_name),
+            state.lrs,
+            state.comm,
+        )
+        new_state = ZeroOneAdamState(
+            count=t,
+            lrs=lrs,
+            nu=nu,
+            local=LocalState(mu=mu, u=u),
+            comm=comm,
+            **_intervals(state, t, frozen, var_step, scalers),
+        )
+        return cast_like(delta, updates if params is None else params), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -86,6 +86,22 @@ def handwritten_train_step(mesh, axis: str, tx: optax.GradientTransformation, pa
     return jax.jit(mapped, donate_argnums=0), state
 
 
+def bit_for_bit(a, b) -> bool:
+    """Same structure and the same bits in every leaf (so a NaN equals the same NaN)."""
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(leaves_a) == len(leaves_b) and all(
+        np.asarray(x).dtype == np.asarray(y).dtype
+        and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
+
+
+def diverged_at(losses) -> int | None:
+    """1-based step of the first non-finite loss, or None: such a run did not train."""
+    bad = np.flatnonzero(~np.isfinite(np.asarray(losses, dtype=float)))
+    return int(bad[0]) + 1 if bad.size else None
+
+
 def train(step, state, batches, name: str, log=print):
     """Compile ``step`` once, read its bytes per device from the HLO, run it on ``batches``."""
     compiled = step.lower(state, batches[0]).compile()
@@ -141,19 +157,24 @@ def main(steps: int = 200, warmup: int | None = None, log=print) -> dict:
             f"{'compressed':>11} {'total vs exact':>15}")
         for name, b in per_step.items():
             losses = results[name][1]
+            # A run that diverged saved nothing: no traffic ratio for it.
+            ratio = "diverged" if diverged_at(losses) else (
+                "baseline" if name == "exact" else f"{sum(per_step['exact']) / sum(b):.1f}x less")
             log(f"{name:<18} {losses[0]:10.4f} {np.mean(losses[-10:]):10.4f} "
-                f"{np.mean(b):11,.0f} {compressed_b.get(name, exact_b):11,.0f} "
-                f"{sum(per_step['exact']) / sum(b):14.1f}x")
-    same = all(
-        np.array_equal(a, b)
-        for a, b in zip(
-            jax.tree.leaves(results["onebit_adam"][0]),
-            jax.tree.leaves(results["onebit_adam, by hand"][0]),
-            strict=True,
-        )
-    )
+                f"{np.mean(b):11,.0f} {compressed_b.get(name, exact_b):11,.0f} {ratio:>15}")
+        for name, (_, losses, _) in results.items():
+            step = diverged_at(losses)
+            if step is not None:
+                log(f"WARNING: {name} diverged: loss {losses[step - 1]} at step {step} "
+                    f"(warm-up: {warm} steps). 1-bit methods need a warm-up long enough for "
+                    "Adam's variance to settle before compression starts: use more --steps or "
+                    "a larger --warmup.")
+    # Bit for bit, so that a diverged run's NaN (the same NaN in both) is not a mismatch.
+    same = bit_for_bit(results["onebit_adam"][0], results["onebit_adam, by hand"][0])
     if log:
-        log(f"hand-written shard_map step == jc.make_train_step, bit for bit: {same}")
+        both_nan = diverged_at(results["onebit_adam"][1]) is not None
+        log(f"hand-written shard_map step == jc.make_train_step, bit for bit: {same}"
+            + (" (both diverged identically)" if same and both_nan else ""))
     return {
         "losses": {k: v[1] for k, v in results.items()},
         "step_bytes": {k: v[2] for k, v in results.items()},
@@ -161,6 +182,7 @@ def main(steps: int = 200, warmup: int | None = None, log=print) -> dict:
         "compressed_step_bytes": compressed_b,
         "states": {k: v[0] for k, v in results.items()},
         "handwritten_matches": same,
+        "diverged": {k: diverged_at(v[1]) for k, v in results.items()},
     }
 
 

@@ -114,3 +114,18 @@ def test_rows_text_and_plot(tmp_path):
     out = tmp_path / "bw.png"
     bench.plot_rows([row, row._replace(size_bytes=4096, algbw=1e8)], str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_says_where_it_ran_and_labels_sizes_as_the_cli_writes_them(tmp_path):
+    pytest.importorskip("matplotlib")
+    row = bench.BenchRow("all_reduce", "none", 8, 1 << 16, 0.002, 5e8, 8.75e8, 57400, 2.9e7, 0, "")
+    rows = [row, row._replace(size_bytes=1 << 20), row._replace(op="all_gather")]
+    drawn = bench.plot_rows(rows, str(tmp_path / "a.png"))
+    ops = ("all_reduce", "all_gather")
+    assert drawn["titles"] == [f"{op}\nin-process, no network" for op in ops]
+    assert drawn["xticks"][0] == ["64K", "1M"]  # not 2^16, 2^20
+    drawn = bench.plot_rows(rows, str(tmp_path / "b.png"), where="2 processes (gloo), 1gbit")
+    assert drawn["titles"][0] == "all_reduce\n2 processes (gloo), 1gbit"
+    assert [bench.size_label(s) for s in (512, 4096, 1 << 16, 3 << 19, 1 << 30)] == [
+        "512", "4K", "64K", "1.5M", "1G"
+    ]

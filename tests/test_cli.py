@@ -63,3 +63,71 @@ def test_bench_on_two_processes(tmp_path):
 def test_unknown_command_is_refused():
     with pytest.raises(SystemExit):
         main(["nope"])
+
+
+def test_version(capsys):
+    import jaxcomm
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"jaxcomm {jaxcomm.__version__} (jax ")
+
+
+@pytest.mark.parametrize("argv", [[], ["bench"], ["launch"], ["demo"]])
+def test_help_is_terminal_text(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for markup in ("``", ":func:", ":mod:", ":class:", "===", "::"):
+        assert markup not in text, (argv, markup)
+    if argv == ["bench"]:
+        # The columns it documents are the ones it prints (format_rows' headings).
+        from jaxcomm.tools import bench
+
+        heads = bench.format_rows([]).split("  ")
+        assert "wire GB/s" in heads and "wire GB/s" in text and "wire bw" not in text
+        assert "'all' runs every registered compressor that needs no arguments: " in " ".join(
+            text.split()
+        )
+
+
+def test_demo_help_lists_methods_and_defaults(capsys):
+    from jaxcomm.tools import demo
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    d = demo.DemoConfig()
+    assert "from: " + ", ".join(demo.METHODS) in text
+    assert f"(default: {', '.join(d.methods)})" in text
+    for default in (f"({d.batch_per_device})", f"({d.learning_rate:g})", f"({d.steps})"):
+        assert default in text
+    assert f"onebit_lamb ({d.lamb_learning_rate:g})" in text
+
+
+def test_demo_refuses_unknown_methods_before_training(capsys, monkeypatch):
+    from jaxcomm.tools import demo
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before validating --methods")
+
+    monkeypatch.setattr(demo, "train", no_training)
+    assert main(["demo", "--methods", "adam,onebit_adamm,lion", "--plot", ""]) == 2
+    err = capsys.readouterr().err
+    assert "unknown methods 'onebit_adamm', 'lion'" in err
+    assert "valid methods: " + ", ".join(demo.METHODS) in err
+    assert main(["demo", "--methods", ",", "--plot", ""]) == 2
+    assert "no method given" in capsys.readouterr().err
+
+
+def test_demo_without_the_examples_extra_says_what_to_install(capsys, monkeypatch):
+    from jaxcomm.tools import demo
+
+    monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("ran without flax"))
+    monkeypatch.setitem(sys.modules, "flax", None)  # import flax -> ImportError
+    assert main(["demo", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "needs flax" in err and "pip install 'jaxcomm[examples]'" in err
+    assert "Traceback" not in err and "ModuleNotFoundError" not in err

@@ -147,3 +147,14 @@ def test_flax_nnx_example():
     dropped, _ = reference([(x[per_device:], y[per_device:]) for x, y in out["batches"]])
     with pytest.raises(AssertionError):
         assert_params_close(dropped, want, start=params)
+
+
+def test_optax_example_compares_bits_and_names_divergence():
+    """A diverged run's NaN parameters are the same bits in both runs, not a mismatch."""
+    example = load("optax_shard_map")
+    nan = np.array([np.nan, 1.0], np.float32)
+    assert example.bit_for_bit({"w": nan}, {"w": nan.copy()})
+    assert not example.bit_for_bit({"w": nan}, {"w": np.array([np.nan, 2.0], np.float32)})
+    assert not example.bit_for_bit({"w": nan}, {"w": nan.astype(np.float64)})
+    assert example.diverged_at([4.0, 3.0, np.nan, np.nan]) == 3
+    assert example.diverged_at([4.0, 3.0, 2.5]) is None

@@ -10,8 +10,8 @@ sends. Columns, with ``S`` the message size (uncompressed bytes), ``t`` the medi
 ``busbw``       ``algbw * 2(n-1)/n`` for all_reduce, ``algbw * (n-1)/n`` for reduce_scatter,
                 all_gather and all_to_all: what an uncompressed ring would need from each link
                 to be this fast (for a compressor it can exceed the link's rate)
-``wire``        bytes each device sends per call, read from the compiled HLO
-``wire bw``     ``wire / t``: what the link actually carried
+``wire/dev``    bytes each device sends per call, read from the compiled HLO
+``wire GB/s``   ``wire/dev / t``: what the link actually carried
 ``error``       relative L2 error of one call against the exact collective (NumPy)
 ==============  ===============================================================================
 
@@ -624,8 +624,36 @@ def print_rows(rows: Sequence[BenchRow], title: str, *, plain: bool = False) -> 
     console.print(table)
 
 
-def plot_rows(rows: Sequence[BenchRow], path: str) -> None:
-    """Effective bandwidth (algbw) against size, one line per compressor, one panel per op."""
+def size_label(nbytes: float) -> str:
+    """Tick label of a message size: ``64K``, ``1M``, ``16M`` (binary units, as ``--sizes``)."""
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g}{unit}"
+    return f"{nbytes:g}"
+
+
+def _minor_gbps_label(y: float, _pos=None) -> str:
+    """Label the 2x and 5x minor ticks of a log axis (a decade often holds every point)."""
+    if y <= 0:
+        return ""
+    lead = y / 10 ** math.floor(math.log10(y))
+    return f"{y:g}" if round(lead, 6) in (2.0, 5.0) else ""
+
+
+def plot_title(op: str, where: str | None) -> str:
+    """A panel's title: the op and where it ran (``in-process, no network`` by default)."""
+    return f"{op}\n{where or 'in-process, no network'}"
+
+
+def plot_rows(
+    rows: Sequence[BenchRow], path: str, where: str | None = None
+) -> dict[str, list]:
+    """Effective bandwidth (algbw) against size, one line per compressor, one panel per op.
+
+    ``where`` says how the ranks were connected (e.g. ``2 processes (gloo), 1gbit``); without
+    it the titles say the run was in one process, with no network in between. Returns what
+    the figure shows: ``{"titles": [...], "xticks": [[...], ...]}``, one entry per panel.
+    """
     try:
         import matplotlib
 
@@ -636,8 +664,11 @@ def plot_rows(rows: Sequence[BenchRow], path: str) -> None:
             "jaxcomm bench --plot needs matplotlib: pip install 'jaxcomm[examples]' "
             "(or pip install matplotlib)"
         ) from e
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
     ops = [op for op in OPS if any(r.op == op for r in rows)]
-    fig, axes = plt.subplots(1, len(ops), figsize=(4.5 * len(ops), 3.8), squeeze=False)
+    sizes = sorted({r.size_bytes for r in rows})
+    fig, axes = plt.subplots(1, len(ops), figsize=(max(6.0, 4.8 * len(ops)), 4.0), squeeze=False)
     for ax, op in zip(axes[0], ops, strict=True):
         for comp in dict.fromkeys(r.compressor for r in rows if r.op == op):
             pts = sorted(
@@ -646,14 +677,26 @@ def plot_rows(rows: Sequence[BenchRow], path: str) -> None:
             ax.plot([p[0] for p in pts], [p[1] / 1e9 for p in pts], marker="o", label=comp)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(op)
-        ax.set_xlabel("size (bytes)")
+        # Ticks at the measured sizes, labelled as --sizes writes them (64K, 1M), and plain
+        # GB/s numbers instead of 6e-1.
+        ax.xaxis.set_major_locator(FixedLocator(sizes))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: size_label(x)))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(_minor_gbps_label))
+        ax.set_title(plot_title(op, where), fontsize="medium")
+        ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("effective bandwidth algbw (GB/s)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    drawn = {
+        "titles": [ax.get_title() for ax in axes[0]],
+        "xticks": [[t.get_text() for t in ax.get_xticklabels()] for ax in axes[0]],
+    }
     plt.close(fig)
+    return drawn
 
 
 def rows_to_json(rows: Sequence[BenchRow], config: BenchConfig, **meta: Any) -> dict:

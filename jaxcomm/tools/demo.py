@@ -110,6 +110,31 @@ def make_model(cfg: DemoConfig, vocab_size: int):
     return CharMLP(nnx.Rngs(cfg.seed))
 
 
+#: Every method ``--methods`` accepts (add a new one here and in :func:`_optimizer`).
+METHODS = (
+    "adam",
+    "compressed_mean",
+    "onebit_adam",
+    "zero_one_adam",
+    "onebit_lamb",
+    "sharded_int8",
+)
+
+
+def check_methods(methods) -> tuple[str, ...]:
+    """``methods`` as a tuple, or a ``ValueError`` naming the unknown ones and the valid ones."""
+    methods = tuple(methods)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(
+            f"unknown method{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"valid methods: {', '.join(METHODS)}"
+        )
+    if not methods:
+        raise ValueError(f"no method given; valid methods: {', '.join(METHODS)}")
+    return methods
+
+
 def _optimizer(method: str, cfg: DemoConfig, axis: str):
     """``(transformation, kind_of_step(opt_state) -> EXACT | ONEBIT | LOCAL)`` for a method."""
     import optax
@@ -159,7 +184,8 @@ def _optimizer(method: str, cfg: DemoConfig, axis: str):
         return tx, lambda s: EXACT if int(s.count) < warm else ONEBIT
     if method == "sharded_int8":
         return _sharded_int8(optax.adam(lr), axis, bb), lambda s: SHARDED_INT8
-    raise SystemExit(f"jaxcomm demo: unknown method {method!r}")
+    check_methods([method])  # an unknown name: a ValueError listing the valid ones
+    raise ValueError(f"jaxcomm demo: METHODS lists {method!r} but _optimizer has no branch for it")
 
 
 def _sharded_int8(inner, axis: str, bucket_bytes: int | None):
@@ -298,10 +324,17 @@ def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], No
     return result
 
 
-def summarize(results: list[RunResult], bytes_per_kind: dict[str, float]) -> list[dict[str, Any]]:
-    """Rows of the final table: losses, accuracy, traffic and its ratio to the baseline."""
+def summarize(
+    results: list[RunResult], bytes_per_kind: dict[str, float], warmup_steps: int | None = None
+) -> list[dict[str, Any]]:
+    """Rows of the final table: losses, accuracy, traffic and its ratio to the baseline.
+
+    A run that diverged gets ``diverged`` (step, what, likely cause) and no ratios
+    (:func:`jaxcomm.tools.demo_report.annotate`); ``warmup_steps`` dates the cause.
+    """
+    from jaxcomm.tools import demo_report
+
     rows = []
-    base = None
     for r in results:
         total = sum(bytes_per_kind[k] for k in r.kinds + r.final_kinds)
         row = dict(
@@ -316,95 +349,39 @@ def summarize(results: list[RunResult], bytes_per_kind: dict[str, float]) -> lis
         )
         for rate in RATES_GBIT:
             row[f"comm_s_{rate}gbit"] = total * 8 / (rate * 1e9)
-        if base is None and r.method == "adam":
-            base = row
         rows.append(row)
-    for row in rows:
-        if base is not None:
-            row["traffic_ratio"] = base["total_bytes"] / max(row["total_bytes"], 1.0)
-            row["loss_vs_adam"] = row["eval_loss"] / base["eval_loss"] - 1.0
+    demo_report.annotate(rows, results, warmup_steps)
     return rows
 
 
-def _print_table(rows: list[dict[str, Any]], bytes_per_kind: dict[str, float], n: int) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def plot(
+    results: list[RunResult],
+    bytes_per_kind: dict[str, float],
+    path: str,
+    warmup_steps: int | None = None,
+) -> list[str]:
+    """Held-out loss against step and against cumulative bytes (PNG); returns notes on the runs
+    that diverged (cut at the step they diverged, see :func:`jaxcomm.tools.demo_report.plot`)."""
+    from jaxcomm.tools import demo_report
 
-    table = Table(title=f"jaxcomm demo: char-level LM, {n} devices, data parallel")
-    columns = ("method", "held-out loss", "vs adam", "accuracy", "bytes/step", "total bytes")
-    columns += ("vs adam", "comm @1G", "@10G", "@100G", "steps exact/1-bit/local")
-    for col in columns:
-        table.add_column(col, justify="right" if col != "method" else "left")
-    for row in rows:
-        steps = row["steps"]
-        table.add_row(
-            row["method"],
-            f"{row['eval_loss']:.4f}",
-            f"{100 * row.get('loss_vs_adam', 0):+.2f}%",
-            f"{100 * row['accuracy']:.1f}%",
-            _human(row["bytes_per_step"]),
-            _human(row["total_bytes"]),
-            f"{row.get('traffic_ratio', 1):.1f}x less",
-            f"{row['comm_s_1gbit']:.2f} s",
-            f"{row['comm_s_10gbit']:.3f} s",
-            f"{row['comm_s_100gbit']:.4f} s",
-            f"{steps[EXACT]}/{steps[ONEBIT]}/{steps[LOCAL]}"
-            + (f" (+{steps[SHARDED_INT8]} int8)" if steps.get(SHARDED_INT8) else ""),
-        )
-    console = Console()
-    console.print(table)
-    console.print(
-        f"bytes per device per step, read from compiled HLO: exact mean "
-        f"{_human(bytes_per_kind[EXACT])}, 1-bit mean {_human(bytes_per_kind[ONEBIT])} "
-        f"({bytes_per_kind[EXACT] / bytes_per_kind[ONEBIT]:.1f}x less); comm time = total bytes "
-        "per device / link rate."
-    )
+    return demo_report.plot(results, bytes_per_kind, path, warmup_steps=warmup_steps)[0]
 
 
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(nbytes) < 1000 or unit == "TB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes:.0f} B"
-        nbytes /= 1000
-    return str(nbytes)
+def run(
+    cfg: DemoConfig, *, plot_path: str | None, json_path: str | None, out_dir: str | None = None
+) -> list[dict[str, Any]]:
+    """Train every method, print the report, write the plot/JSON; returns the table rows.
 
-
-def plot(results: list[RunResult], bytes_per_kind: dict[str, float], path: str) -> None:
-    """Held-out loss against step and against cumulative bytes on the wire (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in results:
-        window = max(1, min(20, len(r.losses)))
-        smooth = np.convolve(r.losses, np.ones(window) / window, mode="valid")
-        steps = np.arange(len(smooth)) + window
-        cumulative = np.cumsum([bytes_per_kind[k] for k in r.kinds])
-        by_step.plot(steps, smooth, label=r.method)
-        by_bytes.plot(cumulative[steps - 1] / 1e6, smooth, label=r.method)
-    by_step.set(xlabel="step", ylabel="training loss (20-step mean)", title="loss per step")
-    by_bytes.set(
-        xlabel="cumulative MB sent per device (log)",
-        ylabel="training loss (20-step mean)",
-        title="loss per byte on the wire",
-        xscale="log",
-    )
-    for ax in (by_step, by_bytes):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def run(cfg: DemoConfig, *, plot_path: str | None, json_path: str | None) -> list[dict[str, Any]]:
-    """Train every method, print the table, write the plot/JSON; returns the table rows."""
+    ``json_path="-"`` prints the JSON document on stdout and the human report on stderr.
+    ``out_dir`` (created if missing) also receives ``demo.json``. The progress bar goes to
+    stderr.
+    """
     import jax
     from jax.sharding import AxisType
+    from rich.console import Console
     from rich.progress import Progress
 
+    from jaxcomm.tools import demo_report
     from jaxcomm.tools.textdata import CharBatches
 
     if jax.process_count() > 1:
@@ -416,7 +393,7 @@ def run(cfg: DemoConfig, *, plot_path: str | None, json_path: str | None) -> lis
     lead = jax.process_index() == 0
     data = CharBatches.from_corpus(context=cfg.context)
     results = []
-    with Progress(disable=not lead) as bar:
+    with Progress(disable=not lead, console=Console(stderr=True)) as bar:
         for method in cfg.methods:
             task = bar.add_task(f"{method:>16}", total=cfg.steps)
             results.append(train(method, cfg, mesh, data, lambda k, t=task: bar.advance(t, k)))
@@ -424,65 +401,131 @@ def run(cfg: DemoConfig, *, plot_path: str | None, json_path: str | None) -> lis
 
     _, params = nnx.split(make_model(cfg, data.vocab_size), nnx.Param)
     bytes_per_kind = wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes)
-    rows = summarize(results, bytes_per_kind)
+    rows = summarize(results, bytes_per_kind, cfg.warmup_steps)
     if not lead:
         return rows
-    _print_table(rows, bytes_per_kind, n)
+    human = sys.stderr if json_path == "-" else sys.stdout
+    report = demo_report.format_report(
+        rows, bytes_per_kind, devices=n, steps=cfg.steps, warmup_steps=cfg.warmup_steps
+    )
+    print(report, file=human, flush=True)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
     if plot_path:
-        plot(results, bytes_per_kind, plot_path)
-        print(f"plot: {plot_path}")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(
-                dict(
-                    config=asdict(cfg),
-                    devices=n,
-                    bytes_per_kind=bytes_per_kind,
-                    rows=rows,
-                    runs=[asdict(r) for r in results],
-                ),
-                f,
-                indent=1,
-            )
-        print(f"json: {json_path}")
+        os.makedirs(os.path.dirname(plot_path) or ".", exist_ok=True)
+        notes = plot(results, bytes_per_kind, plot_path, cfg.warmup_steps)
+        print(f"plot: {plot_path}" + (f" ({'; '.join(notes)})" if notes else ""), file=human)
+    doc = demo_report.json_safe(
+        dict(
+            config=asdict(cfg),
+            devices=n,
+            bytes_per_kind=bytes_per_kind,
+            rows=rows,
+            runs=[asdict(r) for r in results],
+        )
+    )
+    paths = [os.path.join(out_dir, "demo.json")] if out_dir else []
+    if json_path and json_path != "-":
+        paths.append(json_path)
+    for path in paths:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1, allow_nan=False)
+        print(f"json: {path}", file=human)
+    if json_path == "-":
+        json.dump(doc, sys.stdout, indent=1, allow_nan=False)
+        print(flush=True)
     return rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``jaxcomm demo`` options."""
+    """The ``jaxcomm demo`` options (every default is in its help text)."""
     d = DemoConfig()
-    parser.add_argument("--steps", type=int, default=d.steps, help=f"steps per run ({d.steps})")
-    parser.add_argument("--devices", type=int, default=d.devices, help="devices (8 simulated)")
-    parser.add_argument("--batch", type=int, default=d.batch_per_device, help="batch per device")
     parser.add_argument(
-        "--lr", type=float, default=d.learning_rate, help="learning rate (Adam variants)"
+        "--steps", type=int, default=d.steps, help=f"training steps per method ({d.steps})"
     )
     parser.add_argument(
-        "--lamb-lr", type=float, default=d.lamb_learning_rate, help="1-bit LAMB learning rate"
+        "--devices", type=int, default=d.devices,
+        help=f"simulated CPU devices in one process ({d.devices})",
     )
     parser.add_argument(
-        "--warmup-fraction",
-        type=float,
-        default=d.warmup_fraction,
-        help="share of steps with exact communication before compression (0.15)",
+        "--batch", type=int, default=d.batch_per_device,
+        help=f"windows per device per step ({d.batch_per_device})",
     )
     parser.add_argument(
-        "--methods", default=",".join(d.methods), help="comma-separated optimizers to compare"
+        "--lr", type=float, default=d.learning_rate,
+        help=f"learning rate of the Adam variants ({d.learning_rate:g})",
     )
-    parser.add_argument("--plot", default="demo.png", help="PNG path ('' to skip)")
-    parser.add_argument("--json", default=None, help="also write results as JSON")
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--lamb-lr", type=float, default=d.lamb_learning_rate,
+        help=f"learning rate of onebit_lamb ({d.lamb_learning_rate:g})",
+    )
+    parser.add_argument(
+        "--warmup-fraction", type=float, default=d.warmup_fraction,
+        help=f"share of the steps with exact communication before compression "
+        f"({d.warmup_fraction:g})",
+    )
+    parser.add_argument(
+        "--methods", default=",".join(d.methods), metavar="M1,M2,...",
+        help=f"comma-separated optimizers to compare, from: {', '.join(METHODS)} "
+        f"(default: {', '.join(d.methods)})",
+    )
+    parser.add_argument(
+        "--out", default="runs", metavar="DIR",
+        help="directory for demo.png and demo.json (runs; created if missing)",
+    )
+    parser.add_argument(
+        "--plot", default=None, metavar="PNG",
+        help="plot path (default: DIR/demo.png; '' for no plot)",
+    )
+    parser.add_argument(
+        "--json", nargs="?", const="-", default=None, metavar="PATH",
+        help="--json alone: print the results as JSON on stdout (the table goes to stderr); "
+        "--json PATH: also write them to PATH",
+    )
+    parser.add_argument("--seed", type=int, default=d.seed, help=f"random seed ({d.seed})")
     parser.add_argument(
         "--distributed",
         action="store_true",
         help="call jc.init_distributed() first (one process per rank, e.g. under "
-        "`jaxcomm launch -n 2 -m jaxcomm demo --distributed`, torchrun or SLURM); the mesh "
+        "'jaxcomm launch -n 2 -m jaxcomm demo --distributed', torchrun or SLURM); the mesh "
         "spans every process's devices",
+    )
+
+
+def missing_extra(plot: bool) -> str | None:
+    """What to install when the ``examples`` extra (flax, matplotlib) is missing, else None."""
+    import importlib.util
+
+    needed = ["flax"] + (["matplotlib"] if plot else [])
+    missing = []
+    for name in needed:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a None entry in sys.modules, a broken install
+            found = False
+        if not found:
+            missing.append(name)
+    if not missing:
+        return None
+    return (
+        f"jaxcomm demo needs {' and '.join(missing)} (the 'examples' extra): "
+        f"pip install 'jaxcomm[examples]'" + (" (or pass --plot '' to skip the plot)"
+                                              if missing == ["matplotlib"] else "")
     )
 
 
 def main_from_args(args: argparse.Namespace) -> int:
     """Entry point of ``jaxcomm demo`` (see :func:`add_arguments`)."""
+    try:  # every name checked before anything trains
+        methods = check_methods(m.strip() for m in args.methods.split(",") if m.strip())
+    except ValueError as e:
+        print(f"jaxcomm demo: {e}", file=sys.stderr)
+        return 2
+    plot_path = os.path.join(args.out, "demo.png") if args.plot is None else args.plot
+    problem = missing_extra(bool(plot_path))
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     import jax
 
     if args.distributed:
@@ -498,15 +541,17 @@ def main_from_args(args: argparse.Namespace) -> int:
         learning_rate=args.lr,
         lamb_learning_rate=args.lamb_lr,
         warmup_fraction=args.warmup_fraction,
-        methods=tuple(m for m in args.methods.split(",") if m),
+        methods=methods,
         seed=args.seed,
         eval_every=max(1, min(50, args.steps // 4)),
     )
-    run(cfg, plot_path=args.plot or None, json_path=args.json)
+    run(cfg, plot_path=plot_path or None, json_path=args.json, out_dir=args.out or None)
     return 0
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="jaxcomm demo", description=__doc__)
+    from jaxcomm.tools.cli import terminal_text
+
+    parser = argparse.ArgumentParser(prog="jaxcomm demo", description=terminal_text(__doc__))
     add_arguments(parser)
     sys.exit(main_from_args(parser.parse_args()))

@@ -38,6 +38,13 @@ from jaxcomm.hierarchical import (
 )
 from jaxcomm.hlo import CommsReport, comms_report
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
+from jaxcomm.optim.diloco import (
+    DiLoCoLocal,
+    DiLoCoState,
+    diloco,
+    diloco_params,
+    resize_diloco_state,
+)
 from jaxcomm.optim.onebit_adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
 from jaxcomm.optim.onebit_lamb import OneBitLambState, onebit_lamb
 from jaxcomm.optim.sharded import ShardedState, sharded
@@ -129,4 +136,10 @@ __all__ = [
     # sharded data parallel (ZeRO 1-2)
     "ShardedState",
     "sharded",
+    # DiLoCo, Streaming DiLoCo (local steps, compressed outer gradients)
+    "DiLoCoLocal",
+    "DiLoCoState",
+    "diloco",
+    "diloco_params",
+    "resize_diloco_state",
 ]

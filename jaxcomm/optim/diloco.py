@@ -1,0 +1,500 @@
+"""DiLoCo and Streaming DiLoCo as an optax transformation, with compressed outer gradients.
+
+DiLoCo (Douillard et al., 2023, "DiLoCo: Distributed Low-Communication Training of Language
+Models", arXiv:2311.08105): every device trains its own copy of the parameters with an
+``inner`` optimizer on its local gradients, without any communication, and every ``H`` steps
+the devices average their *pseudo-gradients* (how far each moved away from the shared outer
+parameters) and an ``outer`` optimizer moves the outer parameters with that average. Streaming
+DiLoCo (Douillard et al., 2025, "Streaming DiLoCo with overlapping communication",
+arXiv:2501.18512) syncs the parameters in ``F`` fragments at staggered steps (so the peak
+bandwidth is that of one fragment), lets a fragment's reduction run for ``tau`` steps while
+training continues, and quantizes the outer gradients. Here the reduction goes through
+:func:`jaxcomm.collectives.compressed_pmean`, so any jaxcomm compressor (int8/int4 with error
+feedback, 1-bit, top-k) carries the outer gradients, with its error feedback in the state.
+
+The math, on device ``r`` of ``n``, with ``t = count + 1`` the 1-based step, ``theta`` the
+outer (global) parameters (fp32, identical on every device) and ``x_r`` this device's local
+parameters (the ``params`` the optimizer is applied to):
+
+* every step: ``x_r <- x_r + inner.update(g_r, inner_state_r, x_r)`` (no communication);
+* fragment ``f`` of ``F`` holds the leaves ``i`` with ``i % F == f`` (leaves in tree order:
+  strided across layers, as the paper) and *syncs* after the steps ``t_s`` with
+  ``t_s % H == o_f``, ``o_f = ((f + 1) H // F) % H`` (for ``F = 1``: every ``H``-th step);
+* at a sync, ``Delta_f = C-mean_r(theta_f - x_{r,f})``: the outer gradient, the (compressed,
+  error-fed-back) mean of the pseudo-gradients;
+* ``tau`` steps later (``tau = overlap_steps``; at the sync step itself when ``tau = 0``):
+  ``theta_f <- theta_f + outer.update(Delta_f, outer_state_f, theta_f)`` and
+  ``x_{r,f} <- alpha x_{r,f} + (1 - alpha) theta_f``; the inner state is kept.
+
+With ``F = 1, tau = 0, alpha = 0`` this is DiLoCo. With ``H = 1``, ``outer = optax.sgd(1.0)``
+and ``inner = optax.sgd(lr)`` it is data-parallel SGD: ``theta - (theta - lr g_r)`` averaged is
+``lr * mean_r g_r``.
+
+Where the communication sits. With ``tau = 0`` the reduction of a fragment is in the program
+of its sync step, after that step's inner update. With ``tau >= 1`` it is issued in the program
+of step ``t_s + 1`` from that step's *input* parameters (``x_r`` after step ``t_s``), so it does
+not depend on the step's forward and backward pass and XLA's asynchronous collective scheduler
+(GPU, TPU) can run it alongside them; the result waits in the state (``inflight``,
+checkpointable) and is merged at the end of step ``t_s + tau``. A collective cannot outlive the
+XLA program that issues it, so in JAX the reduction overlaps the compute of one step; ``tau``
+gives the paper's algorithm (the outer update lands ``tau`` steps late, mixed by ``alpha``).
+On CPU, XLA runs collectives synchronously and nothing overlaps.
+
+Parameters are **per device** (like :func:`jaxcomm.zero_one_adam`): :mod:`jaxcomm.parallel`
+stacks them ``(n, ...)`` with ``P(axis)`` because a :class:`DiLoCoState` is registered as
+keeping per-device parameters. The model to evaluate is the outer one,
+:func:`diloco_params` (``theta``); the local copies equal it right after a sync with
+``alpha = 0`` (to one rounding of ``x + (theta - x)``; identical where they are within a factor
+2 of each other, by Sterbenz's lemma).
+
+Non-finite values (issue 15 item 3: keep the state, count). An inner step whose new local
+parameters are not finite on a device (a NaN or Inf gradient, an overflow) is skipped on that
+device: its parameters and inner state are kept and its ``local.nonfinite`` counter goes up
+(no communication: the other devices step on). So the local copies stay finite, and a
+non-finite outer gradient can only come from the reduction itself (an overflowing sum or 1-bit
+scale) or from the outer optimizer: then the fragment's sync is skipped (``theta_f`` and its
+outer state kept, the local copies not merged and training on) and ``skipped`` counts it; the
+collective's own guard keeps the error feedback. A device whose copy has run away keeps the
+syncs failing (``skipped`` grows) until it is restored, e.g. from :func:`diloco_params`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+import jaxcomm.parallel as _parallel
+from jaxcomm._compat import ensure_varying
+from jaxcomm.collectives import compressed_pmean, init_state
+from jaxcomm.compressors import Compressor, NoCompression
+
+PyTree = Any
+
+
+class DiLoCoLocal(NamedTuple):
+    """DiLoCo's per-device leaves besides the parameters.
+
+    Attributes:
+      inner: the inner optimizer's state (its moments come from this device's gradients).
+      nonfinite: int32 scalar: inner steps skipped on this device because its new local
+        parameters were not finite.
+    """
+
+    inner: PyTree
+    nonfinite: jax.Array
+
+
+class DiLoCoState(NamedTuple):
+    """State of :func:`diloco`. Everything but ``local`` and ``comm`` is replicated.
+
+    Attributes:
+      count: steps done so far (int32 scalar).
+      outer_params: ``theta``, the outer (global) parameters, fp32, structured like the
+        parameters; the model to evaluate (:func:`diloco_params`).
+      outer: one outer-optimizer state per fragment (each over the fragment's list of leaves).
+      inflight: per fragment, the reduced outer gradient waiting to be merged (a list of fp32
+        leaves), or ``()`` when ``overlap_steps == 0``.
+      skipped: int32 scalar: outer steps skipped because the outer gradient was not finite.
+      devices: int8 zeros ``(n,)``: records the number of devices the per-device leaves were
+        built for (checked at trace time; use :func:`resize_diloco_state` to change it).
+      local: per-device :class:`DiLoCoLocal` (the inner optimizer state).
+      comm: per fragment, the error feedback of the outer-gradient all-reduce
+        (per-device ``jc.ReduceState``; leafless for exact reductions).
+    """
+
+    count: jax.Array
+    outer_params: PyTree
+    outer: tuple
+    inflight: tuple
+    skipped: jax.Array
+    devices: jax.Array
+    local: DiLoCoLocal
+    comm: tuple
+
+
+# Per-device leaves live in DiLoCoLocal (and the comm ReduceStates); a DiLoCoState anywhere in
+# an optimizer state means the parameters are per device (jaxcomm.parallel's layout).
+_parallel.register_per_device_type(DiLoCoLocal)
+_parallel.register_per_device_type(DiLoCoState, params_per_device=True)
+
+
+def fragment_offsets(sync_every: int, fragments: int) -> tuple[int, ...]:
+    """``o_f = ((f + 1) H // F) % H``: fragment ``f`` syncs after the steps ``t % H == o_f``."""
+    return tuple(((f + 1) * sync_every // fragments) % sync_every for f in range(fragments))
+
+
+def fragment_leaves(num_leaves: int, fragments: int) -> tuple[tuple[int, ...], ...]:
+    """Leaf indices of each fragment: leaf ``i`` (tree order) belongs to fragment ``i % F``."""
+    return tuple(tuple(range(f, num_leaves, fragments)) for f in range(fragments))
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"jaxcomm: diloco {name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def _check_compressor(compressor) -> Compressor:
+    if compressor is None:
+        return NoCompression()
+    if isinstance(compressor, type):
+        raise TypeError(
+            f"jaxcomm: diloco compressor must be a compressor instance, got the class "
+            f"{compressor.__name__}: write {compressor.__name__}(...)"
+        )
+    if not isinstance(compressor, Compressor):
+        raise TypeError(
+            "jaxcomm: diloco compressor must be None (exact mean) or a jaxcomm Compressor that "
+            "all-reduces (jc.Quantize(bits=4, error_feedback=True), jc.OneBit(), jc.TopK(...), "
+            f"...), got {compressor!r}"
+        )
+    return compressor
+
+
+def _axis_size(axis_name, axis_size: int | None) -> int:
+    if axis_size is not None:
+        return _check_int("axis_size", axis_size, 1)
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError:
+        return jax.device_count()
+
+
+def _check_leaves(leaves: Sequence, fragments: int) -> None:
+    for leaf in leaves:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(
+                f"jaxcomm: diloco trains floating parameters only, got a leaf of dtype "
+                f"{jnp.result_type(leaf)} (keep integer/bool state outside the optimized tree)"
+            )
+    if fragments > len(leaves):
+        raise ValueError(
+            f"jaxcomm: diloco fragments={fragments} but the parameters have only {len(leaves)} "
+            f"leaves (fragments are sets of whole leaves, leaf i in fragment i % fragments): "
+            f"use fragments <= {len(leaves)}"
+        )
+
+
+def diloco(
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation,
+    sync_every: int,
+    axis_name: str,
+    compressor: Compressor | None = None,
+    fragments: int = 1,
+    overlap_steps: int = 0,
+    alpha: float = 0.0,
+    *,
+    bucket_bytes: int | None = None,
+    axis_size: int | None = None,
+) -> optax.GradientTransformation:
+    """DiLoCo / Streaming DiLoCo over local gradients (see the module docstring for the math).
+
+    Args:
+      inner: the local optimizer, applied every step to this device's gradients and parameters
+        (the papers: ``optax.adamw(4e-4, weight_decay=0.1)``).
+      outer: the optimizer of the outer parameters, whose gradient is the averaged
+        pseudo-gradient ``theta - x`` (the papers: ``optax.sgd(0.7, momentum=0.9,
+        nesterov=True)``). One outer state per fragment, over the fragment's list of leaves.
+      sync_every: ``H``, steps between two syncs of a fragment (>= 1).
+      axis_name: the data-parallel axis the outer gradients are averaged over.
+      compressor: ``None`` (exact fp32 mean, one fused all-reduce) or a jaxcomm compressor,
+        e.g. ``jc.Quantize(bits=4, error_feedback=True)``, ``jc.Quantize(bits=8,
+        error_feedback=True)``, ``jc.OneBit()``, ``jc.TopK(0.01)``.
+      fragments: ``F`` (1 <= F <= H and at most the number of leaves); > 1 is Streaming DiLoCo.
+      overlap_steps: ``tau``, steps between a fragment's sync and the merge of its outer update
+        (0 <= tau, and tau * F < H so that at most one fragment is in flight at a time).
+      alpha: mixing of the local parameters at a merge, ``x <- alpha x + (1 - alpha) theta``
+        (0 <= alpha <= 1; 0 replaces them, as DiLoCo).
+      bucket_bytes: bucket size of the outer-gradient all-reduce (``None``: one bucket per
+        fragment).
+      axis_size: devices on the axis, for ``init`` outside the axis (default: the bound axis
+        size, else ``jax.device_count()``).
+
+    Returns:
+      An ``optax.GradientTransformation`` with a :class:`DiLoCoState`. ``update(grads, state,
+      params)`` needs the local ``params`` and returns the change of the local parameters.
+      Parameters are per device (:mod:`jaxcomm.parallel` stacks them).
+
+    Example::
+
+        tx = jc.diloco(optax.adamw(4e-4), optax.sgd(0.7, momentum=0.9, nesterov=True),
+                       sync_every=50, axis_name="dp",
+                       compressor=jc.Quantize(bits=4, error_feedback=True))
+        step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+        for batch in batches:
+            state, loss = step(state, batch)
+        model = jc.diloco_params(state.opt_state)   # theta, the outer parameters
+    """
+    H = _check_int("sync_every", sync_every, 1)
+    F = _check_int("fragments", fragments, 1)
+    tau = _check_int("overlap_steps", overlap_steps, 0)
+    if F > H:
+        raise ValueError(
+            f"jaxcomm: diloco fragments={F} > sync_every={H}: fragments sync at distinct steps "
+            "of each interval, so there can be at most sync_every of them"
+        )
+    if tau * F >= H:
+        raise ValueError(
+            f"jaxcomm: diloco overlap_steps={tau} must be < sync_every / fragments = {H}/{F} "
+            "(a fragment's outer update has to land before the next fragment syncs)"
+        )
+    if isinstance(alpha, int | float) and not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(f"jaxcomm: diloco alpha must be in [0, 1], got {alpha!r}")
+    compressor = _check_compressor(compressor)
+    for name, tx in (("inner", inner), ("outer", outer)):
+        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+            raise TypeError(
+                f"jaxcomm: diloco {name} must be an optax GradientTransformation, got {tx!r}"
+            )
+    offsets = fragment_offsets(H, F)
+    static_alpha_zero = isinstance(alpha, int | float) and float(alpha) == 0.0
+    f32 = jnp.float32
+
+    def init_fn(params):
+        leaves = jax.tree.leaves(params)
+        _check_leaves(leaves, F)
+        n = _axis_size(axis_name, axis_size)
+        theta = jax.tree.map(lambda p: jnp.asarray(p, f32), params)
+        theta_leaves = jax.tree.leaves(theta)
+        groups = fragment_leaves(len(leaves), F)
+        parts = [[theta_leaves[i] for i in ids] for ids in groups]
+        return DiLoCoState(
+            count=jnp.zeros([], jnp.int32),
+            outer_params=theta,
+            outer=tuple(outer.init(part) for part in parts),
+            inflight=tuple([jnp.zeros_like(x) for x in part] for part in parts) if tau else (),
+            skipped=jnp.zeros([], jnp.int32),
+            devices=jnp.zeros((n,), jnp.int8),
+            local=DiLoCoLocal(inner.init(params), jnp.zeros([], jnp.int32)),
+            comm=tuple(
+                init_state(compressor, part, axis_size=n, bucket_bytes=bucket_bytes)
+                for part in parts
+            ),
+        )
+
+    def reduce(delta, comm):
+        if not jax.tree.leaves(comm):  # exact, or no error feedback: nothing to carry
+            out, _ = compressed_pmean(
+                delta, None, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes
+            )
+            return out, comm
+        return compressed_pmean(
+            delta, comm, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes
+        )
+
+    def varying(tree):
+        return jax.tree.map(lambda x: ensure_varying(x, axis_name), tree)
+
+    def outer_step(delta, theta, outer_state, local, skipped):
+        """Apply the reduced ``delta`` to ``theta``; merge into ``local``; skip if non-finite."""
+        updates, new_outer = outer.update(delta, outer_state, theta)
+        new_theta = optax.apply_updates(theta, updates)
+        checks = [jnp.all(jnp.isfinite(x)) for x in (*delta, *new_theta)]
+        finite = jnp.all(jnp.stack(checks))
+        new_theta = [jnp.where(finite, a, b) for a, b in zip(new_theta, theta, strict=True)]
+        new_outer = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_outer, outer_state)
+        if static_alpha_zero:
+            merged = [th.astype(x.dtype) for th, x in zip(new_theta, local, strict=True)]
+        else:
+            a = jnp.asarray(alpha, f32)
+            merged = [
+                (a * x.astype(f32) + (1 - a) * th).astype(x.dtype)
+                for th, x in zip(new_theta, local, strict=True)
+            ]
+        merged = [jnp.where(finite, m, x) for m, x in zip(merged, local, strict=True)]
+        skipped = skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
+        return new_theta, new_outer, varying(merged), skipped
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(
+                "jaxcomm: diloco needs the local parameters: call update(grads, state, params)"
+            )
+        if not isinstance(state, DiLoCoState):
+            raise TypeError(f"jaxcomm: diloco got a state of type {type(state).__name__}")
+        param_leaves, treedef = jax.tree.flatten(params)
+        _check_leaves(param_leaves, F)
+        try:
+            bound = int(lax.axis_size(axis_name))
+        except NameError as err:
+            raise ValueError(
+                f"jaxcomm: diloco's axis {axis_name!r} is not bound here: call update inside "
+                f"jax.shard_map / jax.pmap over {axis_name!r} (e.g. via jc.make_train_step)"
+            ) from err
+        if state.devices.shape[0] != bound:
+            raise ValueError(
+                f"jaxcomm: this DiLoCo state was built for {state.devices.shape[0]} devices but "
+                f"axis {axis_name!r} has {bound}: convert it with jc.resize_diloco_state"
+            )
+        inner_updates, inner_state = inner.update(updates, state.local.inner, params)
+        local = jax.tree.leaves(optax.apply_updates(params, inner_updates))
+        # Per device: a step that makes the local copy non-finite is not taken (state kept).
+        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in local]))
+        local = [jnp.where(ok, x, p) for x, p in zip(local, param_leaves, strict=True)]
+        inner_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), inner_state, state.local.inner)
+        inner_nonfinite = state.local.nonfinite + jnp.where(ok, 0, 1).astype(jnp.int32)
+        before = [jnp.asarray(p, f32) for p in param_leaves]  # x_r after the previous step
+        theta = list(jax.tree.leaves(state.outer_params))
+        t = state.count + 1
+        outers, inflights, comms = list(state.outer), list(state.inflight), list(state.comm)
+        skipped = state.skipped
+        for f, ids in enumerate(fragment_leaves(len(param_leaves), F)):
+            th = [theta[i] for i in ids]
+            x = varying([local[i] for i in ids])
+            if tau == 0:
+
+                def sync(th, x, outer_state, comm, skipped):
+                    delta = [a - b.astype(f32) for a, b in zip(th, x, strict=True)]
+                    delta, comm = reduce(delta, comm)
+                    th, outer_state, x, skipped = outer_step(delta, th, outer_state, x, skipped)
+                    return th, x, outer_state, comm, skipped
+
+                def keep(th, x, outer_state, comm, skipped):
+                    return th, x, outer_state, comm, skipped
+
+                th, x, outers[f], comms[f], skipped = lax.cond(
+                    t % H == offsets[f], sync, keep, th, x, outers[f], comms[f], skipped
+                )
+            else:
+                prev = [before[i] for i in ids]
+
+                def issue(th, prev, pending, comm):
+                    delta = [a - b for a, b in zip(th, prev, strict=True)]
+                    return reduce(delta, comm)
+
+                def wait(th, prev, pending, comm):
+                    return pending, comm
+
+                issued = ((t - 1) % H == offsets[f]) & (t > 1)
+                inflights[f], comms[f] = lax.cond(
+                    issued, issue, wait, th, prev, inflights[f], comms[f]
+                )
+
+                def merge(pending, th, outer_state, x, skipped):
+                    return outer_step(pending, th, outer_state, x, skipped)
+
+                def hold(pending, th, outer_state, x, skipped):
+                    return th, outer_state, x, skipped
+
+                merged = ((t - tau) % H == offsets[f]) & (t - tau >= 1)
+                th, outers[f], x, skipped = lax.cond(
+                    merged, merge, hold, inflights[f], th, outers[f], x, skipped
+                )
+            for i, a, b in zip(ids, th, x, strict=True):
+                theta[i], local[i] = a, b
+        new_local = treedef.unflatten(local)
+        new_updates = jax.tree.map(
+            lambda new, p: (new.astype(f32) - jnp.asarray(p, f32)).astype(jnp.result_type(p)),
+            new_local,
+            params,
+        )
+        new_state = DiLoCoState(
+            count=t,
+            outer_params=jax.tree.unflatten(jax.tree.structure(state.outer_params), theta),
+            outer=tuple(outers),
+            inflight=tuple(inflights),
+            skipped=skipped,
+            devices=state.devices,
+            local=DiLoCoLocal(inner_state, inner_nonfinite),
+            comm=tuple(comms),
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _find_diloco(opt_state: PyTree) -> DiLoCoState:
+    found = []
+
+    def visit(node):
+        if isinstance(node, DiLoCoState):
+            found.append(node)
+        return node
+
+    jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState))
+    if len(found) != 1:
+        raise ValueError(
+            f"jaxcomm: expected one DiLoCoState in the optimizer state, found {len(found)}"
+        )
+    return found[0]
+
+
+def diloco_params(opt_state: PyTree) -> PyTree:
+    """``theta``, the outer parameters (fp32) of the :class:`DiLoCoState` in ``opt_state``: the
+    model DiLoCo trains, to evaluate or export (identical on every device)."""
+    return _find_diloco(opt_state).outer_params
+
+
+def resize_diloco_state(
+    state: _parallel.TrainState,
+    compressor: Compressor | None,
+    *,
+    new_axis_size: int,
+    bucket_bytes: int | None = None,
+) -> _parallel.TrainState:
+    """A DiLoCo :class:`jaxcomm.TrainState` of ``n`` devices, converted for ``new_axis_size``.
+
+    ``state`` is in :mod:`jaxcomm.parallel`'s global layout (per-device leaves stacked
+    ``(n, ...)``), with a :class:`DiLoCoState` as (or anywhere in) its optimizer state. The new
+    devices all start from the **average** of the ``n`` local parameter copies and of the
+    ``n`` inner states (floating leaves; integer leaves, step and non-finite counts: their
+    maximum), as if the interval's local progress were averaged without an outer step;
+    ``theta``, the outer
+    states and any in-flight outer gradient are replicated and kept. The error feedback of
+    every fragment goes through :func:`jaxcomm.resize_state`, which preserves its pending sum.
+    Runs on the host (NumPy). ``compressor`` and ``bucket_bytes`` as given to :func:`diloco`.
+    """
+    from jaxcomm.resize import resize_state  # host-side tool; keep it off the import path
+
+    compressor = _check_compressor(compressor)
+    m = _check_int("new_axis_size", new_axis_size, 1)
+    old = _find_diloco(state.opt_state)
+    n = int(old.devices.shape[0])
+
+    def regrid(x):
+        x = np.asarray(x)
+        row = x.mean(axis=0).astype(x.dtype) if np.issubdtype(x.dtype, np.floating) else x.max(0)
+        return np.broadcast_to(row[None], (m, *row.shape)).copy()
+
+    theta_leaves = jax.tree.leaves(old.outer_params)
+    groups = fragment_leaves(len(theta_leaves), len(old.comm))
+    comm = tuple(
+        resize_state(
+            c,
+            compressor,
+            [theta_leaves[i] for i in ids],
+            axis_size=n,
+            new_axis_size=m,
+            bucket_bytes=bucket_bytes,
+        )
+        for c, ids in zip(old.comm, groups, strict=True)
+    )
+    new = old._replace(
+        devices=np.zeros((m,), np.int8),
+        local=jax.tree.map(regrid, old.local),
+        comm=comm,
+    )
+    opt_state = jax.tree.map(
+        lambda node: new if node is old else node,
+        state.opt_state,
+        is_leaf=lambda x: isinstance(x, DiLoCoState),
+    )
+    return _parallel.TrainState(jax.tree.map(regrid, state.params), opt_state)
+
+
+__all__ = [
+    "DiLoCoLocal",
+    "DiLoCoState",
+    "diloco",
+    "diloco_params",
+    "fragment_leaves",
+    "fragment_offsets",
+    "resize_diloco_state",
+]

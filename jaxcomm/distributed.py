@@ -371,6 +371,7 @@ def init_distributed(
     process_id: int | None = None,
     local_device_ids: int | Sequence[int] | None = None,
     initialization_timeout: int | None = None,
+    heartbeat_timeout_seconds: int | None = None,
 ) -> DistributedInfo:
     """Chooses the cross-process collectives and initializes ``jax.distributed``.
 
@@ -399,6 +400,13 @@ def init_distributed(
         process_id: This process's rank; default from the environment.
         local_device_ids: Devices visible to this process (GPU); passed to JAX.
         initialization_timeout: Seconds to wait for all processes to connect (JAX's default: 300).
+        heartbeat_timeout_seconds: Seconds without heartbeats after which a process counts as
+            dead, and every other process aborts (non-zero exit) instead of waiting in a
+            collective forever: this bounds a hang on a stopped process or a silent link
+            (gloo collectives have no timeout of their own that JAX exposes). Default: the
+            ``JAXCOMM_HEARTBEAT_TIMEOUT`` environment variable (``jaxcomm launch
+            --heartbeat-timeout`` sets it), else JAX's default, 100 s.
+
 
     Returns:
         A :class:`DistributedInfo`.
@@ -412,6 +420,7 @@ def init_distributed(
     if jax.distributed.is_initialized():
         current = jax.config.jax_cpu_collectives_implementation
         name = "nccl" if backend == "nccl" or _gpu_expected() else str(current)
+        _mark_initialized()
         return _current_info(name)
     if backend == "mpi":
         _check_mpi()
@@ -438,6 +447,9 @@ def init_distributed(
     kwargs: dict[str, object] = {}
     if initialization_timeout is not None:
         kwargs["initialization_timeout"] = int(initialization_timeout)
+    heartbeat = _heartbeat_timeout(heartbeat_timeout_seconds)
+    if heartbeat is not None:
+        kwargs["heartbeat_timeout_seconds"] = heartbeat
     if resolved.complete:
         # Everything is known: keep JAX's detection (e.g. SLURM variables around a torchrun job)
         # from overriding what the launcher said.
@@ -466,4 +478,37 @@ def init_distributed(
             f"{COORDINATOR_ENV}, run under SLURM, or pass coordinator_address, num_processes "
             "and process_id."
         ) from e
+    _mark_initialized()
     return _current_info(name)
+
+
+#: Default of ``init_distributed(heartbeat_timeout_seconds=)`` (set by ``jaxcomm launch``).
+HEARTBEAT_ENV = "JAXCOMM_HEARTBEAT_TIMEOUT"
+#: A file ``init_distributed`` creates when set (``jaxcomm launch`` warns when none appears).
+MARKER_ENV = "JAXCOMM_INIT_MARKER"
+
+
+def _heartbeat_timeout(value: int | None) -> int | None:
+    source = "heartbeat_timeout_seconds"
+    if value is None:
+        raw = os.environ.get(HEARTBEAT_ENV, "").strip()
+        if not raw:
+            return None
+        source = f"{HEARTBEAT_ENV}={raw!r}"
+        try:
+            value = int(float(raw))
+        except ValueError:
+            raise ValueError(f"{source} is not a number of seconds.") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source} must be a positive int (seconds), got {value!r}.")
+    return value
+
+
+def _mark_initialized() -> None:
+    marker = os.environ.get(MARKER_ENV)
+    if marker:
+        try:
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError:  # the launcher's directory is gone: nothing to tell it
+            pass

@@ -205,6 +205,18 @@ def _add_launch(sub) -> None:
     p.add_argument("--port", type=int, default=None, help="coordinator port (a free one)")
     p.add_argument("--timeout", type=float, default=None, help="kill all ranks after T seconds")
     p.add_argument("--kill-grace", type=float, default=2.0, help="SIGTERM-to-SIGKILL seconds")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=None,
+        help="seconds without heartbeats before ranks abort (jc.init_distributed; JAX: 100)",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        help="end the run when a rank stays stopped (SIGSTOP) this many seconds",
+    )
     p.add_argument("-m", dest="module", default=None, help="run a module (python -m) instead")
     p.add_argument("script", nargs="?", help="script.py (run with this Python) or a program")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for every rank")
@@ -259,11 +271,23 @@ def _run_launch(args: argparse.Namespace) -> int:
                 timeout=args.timeout,
                 echo=sys.stdout,
                 kill_grace=args.kill_grace,
+                heartbeat_timeout=args.heartbeat_timeout,
+                hang_timeout=args.hang_timeout,
                 **shaping,
             )
     except KeyboardInterrupt:
         print("jaxcomm launch: interrupted; all ranks stopped", file=sys.stderr)
         return 130
+    except (ValueError, RuntimeError, OSError) as e:  # busy port, namespace set-up, exec
+        print(f"jaxcomm launch: {e}", file=sys.stderr)
+        return 2
+    if result.distributed is False:
+        print(
+            f"jaxcomm launch: warning: no rank called jc.init_distributed() (or "
+            f"jax.distributed.initialize): the {args.nprocs} ranks ran as {args.nprocs} "
+            "independent copies, not one distributed job",
+            file=sys.stderr,
+        )
     if result.ok:
         return 0
     print(f"jaxcomm launch: {result.describe()}; other ranks stopped", file=sys.stderr)

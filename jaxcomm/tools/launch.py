@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,6 +53,7 @@ __all__ = [
     "find_free_port",
     "launch_local",
     "network_shaping_problem",
+    "port_problem",
     "shaped_network",
 ]
 
@@ -74,6 +76,12 @@ class LaunchResult:
       timed_out: Whether the timeout passed before all ranks finished.
       elapsed: Wall-clock seconds from the first start to the last exit.
       port: The coordinator port that was used.
+      stopped_ranks: Ranks that were stopped (``SIGSTOP``, state ``T``) when the run ended, in
+        the order they stopped.
+      hung: Whether the run was ended because ``failed_rank`` stayed stopped for
+        ``hang_timeout`` seconds.
+      distributed: Whether the ranks set up ``jax.distributed`` (``jc.init_distributed`` was
+        called, or the coordinator port was seen listening); ``None`` if unknown (one rank).
     """
 
     returncodes: tuple[int, ...]
@@ -83,6 +91,9 @@ class LaunchResult:
     timed_out: bool
     elapsed: float
     port: int
+    stopped_ranks: tuple[int, ...] = ()
+    hung: bool = False
+    distributed: bool | None = None
 
     @property
     def ok(self) -> bool:
@@ -94,6 +105,12 @@ class LaunchResult:
         if self.timed_out:
             running = [r for r, rc in enumerate(self.returncodes) if rc < 0]
             return f"timed out after {self.elapsed:.1f}s (ranks killed: {running})"
+        if self.failed_rank is not None and self.failed_rank in self.stopped_ranks:
+            why = "hang timeout" if self.hung else "another rank failed meanwhile"
+            return (
+                f"rank {self.failed_rank} stopped (SIGSTOP? process state T) and did not "
+                f"resume ({why}; ended after {self.elapsed:.1f}s)"
+            )
         if self.failed_rank is not None:
             rc = self.returncodes[self.failed_rank]
             return f"rank {self.failed_rank} exited with code {rc} after {self.elapsed:.1f}s"
@@ -120,6 +137,46 @@ def find_free_port(host: str = _LOCALHOST) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def port_problem(port: int, host: str = _LOCALHOST) -> str | None:
+    """Why ``port`` cannot be the coordinator's port on ``host``, or ``None`` if it can."""
+    if not 0 < port < 65536:
+        return f"port {port} is not in 1..65535"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return f"port {port} on {host} is not free ({e.strerror or e}): pick another or omit it"
+    return None
+
+
+def _listening(port: int, host: str = _LOCALHOST) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def _stopped_pids(pgids: Sequence[int]) -> set[int]:
+    """Process groups among ``pgids`` with a stopped member (``/proc/*/stat`` state T or t)."""
+    wanted, found = set(pgids), set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # not Linux: no detection
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces or parentheses.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) in wanted and fields[0] in ("T", "t"):
+            found.add(int(fields[2]))
+    return found
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
@@ -313,6 +370,12 @@ def delay_options(delay: str | None, rate: str | None = None) -> tuple[dict[str,
 # --------------------------------------------------------------------------------------------
 
 
+#: Read by :func:`jaxcomm.init_distributed`: its default ``heartbeat_timeout_seconds``.
+HEARTBEAT_ENV = "JAXCOMM_HEARTBEAT_TIMEOUT"
+#: Read by :func:`jaxcomm.init_distributed`: a file it creates, so the launcher knows it ran.
+MARKER_ENV = "JAXCOMM_INIT_MARKER"
+
+
 def _rank_env(base: Mapping[str, str], rank: int, world: int, port: int) -> dict[str, str]:
     env = dict(base)
     for key in _STRIP_ENV:
@@ -367,6 +430,8 @@ def launch_local(
     echo: bool | TextIO = False,
     kill_grace: float = 2.0,
     poll_interval: float = 0.05,
+    heartbeat_timeout: float | None = None,
+    hang_timeout: float | None = None,
 ) -> LaunchResult:
     """Runs ``num_processes`` ranks of ``argv`` on this machine and waits for them.
 
@@ -399,6 +464,19 @@ def launch_local(
       echo: Also write prefixed lines as they arrive: ``True`` for ``sys.stderr``, or a stream.
       kill_grace: Seconds between SIGTERM and SIGKILL when tearing down.
       poll_interval: Seconds between checks of the ranks' status.
+      heartbeat_timeout: Passed to every rank's :func:`jaxcomm.init_distributed` (environment
+        ``JAXCOMM_HEARTBEAT_TIMEOUT``) as ``heartbeat_timeout_seconds``: ranks whose peer
+        stopped sending heartbeats (stopped, hung, or behind a silent link) abort after it.
+      hang_timeout: End the run when a rank has been stopped (``SIGSTOP``, process state
+        ``T``) this many seconds, naming it; ``None`` waits (the other ranks' heartbeat
+        timeout still ends it). A rank that is stopped when another fails is named as the
+        first failure in any case.
+
+    Hangs. A rank that stops, or a link that goes silent, blocks the others in a collective
+    (gloo has no per-collective timeout that JAX exposes); they abort when JAX's heartbeats to
+    the coordinator fail for ``heartbeat_timeout`` seconds. The failed rank reported is the one
+    that failed first *by time*: exit times are recorded by one waiter thread per rank, and a
+    stopped rank counts as failed from the moment it was seen stopped.
 
     Returns:
       A :class:`LaunchResult`; call ``.check()`` to raise on failure.
@@ -407,9 +485,18 @@ def launch_local(
         raise ValueError(f"num_processes={num_processes} must be >= 1.")
     if not argv:
         raise ValueError("argv must name a command.")
+    for name, value in (("heartbeat_timeout", heartbeat_timeout), ("hang_timeout", hang_timeout)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name}={value} must be > 0 seconds.")
     echo_stream: TextIO | None = sys.stderr if echo is True else (echo or None)
+    if port is not None and not (netns_rate or netns_delay):
+        problem = port_problem(int(port))  # inside a namespace, the host's ports do not matter
+        if problem:
+            raise ValueError(problem)
     port = find_free_port() if port is None else int(port)
     base_env = {**os.environ, **(env or {})}
+    if heartbeat_timeout is not None:
+        base_env[HEARTBEAT_ENV] = str(max(1, round(heartbeat_timeout)))
 
     with contextlib.ExitStack() as stack:
         prefix: list[str] = []
@@ -422,6 +509,7 @@ def launch_local(
                 delay_relay(relay_delay, skip_ports=(port,), prefix=prefix)
             )
             base_env = {**base_env, **relay_env}
+        markers = stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxcomm-launch-"))
         return _run_ranks(
             num_processes,
             [*prefix, *argv],
@@ -432,6 +520,9 @@ def launch_local(
             echo_stream,
             kill_grace,
             poll_interval,
+            hang_timeout,
+            markers,
+            probe_port=not prefix,
         )
 
 
@@ -445,6 +536,9 @@ def _run_ranks(
     echo: TextIO | None,
     kill_grace: float,
     poll_interval: float,
+    hang_timeout: float | None,
+    markers: str,
+    probe_port: bool,
 ) -> LaunchResult:
     lock = threading.Lock()
     merged: list[str] = []
@@ -453,13 +547,24 @@ def _run_ranks(
     readers: list[threading.Thread] = []
     start = time.monotonic()
     failed_rank: int | None = None
-    timed_out = False
+    timed_out = hung = False
+    exited_at: dict[int, float] = {}  # rank -> monotonic time its process exited
+    stopped_since: dict[int, float] = {}  # rank -> when it was first seen stopped
+    port_seen = False
+    next_scan = start
+
+    def waiter(rank: int, proc: subprocess.Popen) -> None:
+        proc.wait()
+        exited_at.setdefault(rank, time.monotonic())
+
     try:
         for rank in range(n):
+            rank_env = _rank_env(base_env, rank, n, port)
+            rank_env[MARKER_ENV] = os.path.join(markers, f"rank{rank}")
             procs.append(
                 subprocess.Popen(
                     [*pdeathsig_prefix(), *argv],
-                    env=_rank_env(base_env, rank, n, port),
+                    env=rank_env,
                     cwd=cwd,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
@@ -479,17 +584,44 @@ def _run_ranks(
         ]
         for t in readers:
             t.start()
+        waiters = [
+            threading.Thread(target=waiter, args=(r, p), daemon=True) for r, p in enumerate(procs)
+        ]
+        for t in waiters:
+            t.start()
 
         while True:
             codes = [p.poll() for p in procs]
+            now = time.monotonic()
+            if now >= next_scan:  # a /proc scan costs a few ms: not every poll
+                next_scan = now + 0.25
+                stopped = _stopped_pids([p.pid for p in procs])
+                for r, p in enumerate(procs):
+                    if p.pid in stopped and codes[r] is None:
+                        stopped_since.setdefault(r, now)
+                    else:
+                        stopped_since.pop(r, None)
+                if probe_port and not port_seen and n > 1:
+                    port_seen = _listening(port)
             bad = [r for r, rc in enumerate(codes) if rc not in (None, 0)]
             if bad:
-                # Codes are read before we kill anything, so this rank failed on its own.
-                failed_rank = bad[0]
+                # Codes are read before we kill anything, so these ranks failed on their own;
+                # the first by time (a stopped rank from when it was seen stopped) is named.
+                for r in bad:
+                    exited_at.setdefault(r, now)
+                events = {r: exited_at[r] for r in bad}
+                events.update(stopped_since)
+                failed_rank = min(events, key=lambda r: (events[r], r))
                 break
             if all(rc == 0 for rc in codes):
                 break
-            if timeout is not None and time.monotonic() - start > timeout:
+            if hang_timeout is not None:
+                hanging = [r for r, t in stopped_since.items() if now - t >= hang_timeout]
+                if hanging:
+                    failed_rank = min(hanging, key=lambda r: (stopped_since[r], r))
+                    hung = True
+                    break
+            if timeout is not None and now - start > timeout:
                 timed_out = True
                 break
             time.sleep(poll_interval)
@@ -507,4 +639,12 @@ def _run_ranks(
             timed_out=timed_out,
             elapsed=elapsed,
             port=port,
+            stopped_ranks=tuple(sorted(stopped_since, key=lambda r: (stopped_since[r], r))),
+            hung=hung,
+            distributed=(
+                None
+                if n == 1
+                else port_seen
+                or any(os.path.exists(os.path.join(markers, f"rank{r}")) for r in range(n))
+            ),
         )

@@ -65,6 +65,7 @@ from jaxcomm.parallel import (
     to_pmap_layout,
     train_state_specs,
 )
+from jaxcomm.reshard import reshard_train_state, train_state_template
 from jaxcomm.resize import resize_state
 
 __version__ = "0.1.0"
@@ -103,6 +104,8 @@ __all__ = [
     "init_distributed",
     "init_state",
     "resize_state",
+    "reshard_train_state",
+    "train_state_template",
     "shard_shapes",
     # tooling
     "CommsReport",

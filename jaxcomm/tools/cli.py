@@ -97,6 +97,16 @@ def _add_bench(sub) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    from jaxcomm.tools._paths import output_problem
+
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        problem = output_problem(path)
+        if problem:  # fail before measuring, not after
+            print(f"jaxcomm bench: {flag}: {problem}", file=sys.stderr)
+            return 2
+    if args.procs is not None and args.procs < 1:  # 0 would silently run in-process
+        print(f"jaxcomm bench: --procs must be >= 1, got {args.procs}", file=sys.stderr)
+        return 2
     if args.plot:  # fail before measuring, not after
         try:
             import matplotlib  # noqa: F401

@@ -522,6 +522,14 @@ def main_from_args(args: argparse.Namespace) -> int:
         print(f"jaxcomm demo: {e}", file=sys.stderr)
         return 2
     plot_path = os.path.join(args.out, "demo.png") if args.plot is None else args.plot
+    from jaxcomm.tools._paths import output_problem
+
+    for flag, path, is_dir in (("--out", args.out, True), ("--json", args.json, False),
+                               ("--plot", plot_path, False)):  # fmt: skip
+        problem = output_problem(path, directory=is_dir)
+        if problem:  # before training, not after minutes of it
+            print(f"jaxcomm demo: {flag}: {problem}", file=sys.stderr)
+            return 2
     problem = missing_extra(bool(plot_path))
     if problem:
         print(problem, file=sys.stderr)

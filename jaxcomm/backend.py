@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from jaxcomm import bucketing
+from jaxcomm import layout
 from jaxcomm._compat import bound_axis_size
 from jaxcomm.collectives import (
     StateOp,
@@ -145,12 +145,13 @@ def _exact_extremum(tree: PyTree, axis_name: str, bucket_bytes: int | None, op: 
     bound_axis_size(axis_name)
     reduce = lax.pmax if op is ReduceOp.MAX else lax.pmin
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    buckets = bucketing.plan_buckets(leaves, bucket_bytes, NoCompression().compute_dtype)
-    out: list = [None] * len(leaves)
-    for bucket in buckets:
-        flat = bucketing.flatten_bucket(leaves, bucket)
+    buckets = layout.plan_buckets(leaves, bucket_bytes, NoCompression().compute_dtype)
+
+    def one_bucket(bucket):
+        flat = layout.flatten_bucket(leaves, bucket)
         if bucket.numel:
             flat = reduce(flat, axis_name)
-        for i, leaf in zip(bucket.leaf_ids, bucketing.unflatten_bucket(flat, bucket), strict=True):
-            out[i] = leaf
+        return layout.unflatten_bucket(flat, bucket), None
+
+    out, _ = layout.map_buckets(one_bucket, buckets, len(leaves))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -29,14 +29,6 @@ from typing import NamedTuple
 
 import jax
 
-__all__ = [
-    "BACKENDS",
-    "DistributedEnv",
-    "DistributedInfo",
-    "init_distributed",
-    "resolve_distributed_env",
-]
-
 logger = logging.getLogger(__name__)
 
 #: Accepted values of ``init_distributed(backend=...)``.
@@ -313,8 +305,9 @@ def _check_mpi() -> None:
         raise RuntimeError(f"MPITRAMPOLINE_LIB={lib!r} does not exist.")
 
 
-def _backends_initialized() -> bool:
-    # Private but stable for years; if it moves, fall back to letting
+def backends_initialized() -> bool:
+    """Whether JAX has created its backends (too late then for jax.distributed and XLA flags)."""
+    # jax._src.xla_bridge is private but stable for years; if it moves, fall back to letting
     # jax.distributed.initialize raise its own error.
     try:
         from jax._src import xla_bridge
@@ -429,7 +422,7 @@ def init_distributed(
         num_processes=num_processes,
         process_id=process_id,
     )
-    if _backends_initialized():
+    if backends_initialized():
         raise RuntimeError(
             "init_distributed() must run before any JAX computation, jax.devices() or "
             "device_put: the JAX backends are already initialized."

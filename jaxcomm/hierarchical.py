@@ -21,8 +21,6 @@ so a compressor that needs matrices (``PowerSGD``) sends them exactly: use it fl
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -39,7 +37,7 @@ from jaxcomm.collectives import (
     shard_shapes,
 )
 from jaxcomm.compressors import Compressor, NoCompression
-from jaxcomm.hlo import collectives_in_hlo
+from jaxcomm.hlo import collectives_in_hlo, replica_groups
 
 PyTree = Any
 
@@ -137,31 +135,6 @@ def hierarchical_pmean(
 # Which mesh axes each collective crosses, from the compiled HLO.
 # --------------------------------------------------------------------------------------------
 
-_LIST = re.compile(r"replica_groups=\{(?P<body>(?:\{[0-9, ]*\},?\s*)*)\}")
-_IOTA = re.compile(
-    r"replica_groups=\[(?P<shape>[0-9,]+)\]<=\[(?P<dims>[0-9,]+)\](?:T\((?P<perm>[0-9,]+)\))?"
-)
-
-
-def replica_groups(line: str, num_devices: int) -> list[list[int]]:
-    """Device groups of one collective instruction (explicit or iota form; all devices if none)."""
-    m = _IOTA.search(line)
-    if m:
-        shape = [int(d) for d in m.group("shape").split(",")]
-        dims = [int(d) for d in m.group("dims").split(",")]
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
-        if m.group("perm"):
-            ids = ids.transpose([int(p) for p in m.group("perm").split(",")])
-        return ids.reshape(shape[0], -1).tolist() if len(shape) > 1 else [ids.reshape(-1).tolist()]
-    m = _LIST.search(line)
-    if m and m.group("body").strip():
-        return [
-            [int(t) for t in g.split(",") if t.strip()]
-            for g in re.findall(r"\{([0-9, ]*)\}", m.group("body"))
-        ]
-    return [list(range(num_devices))]
-
-
 def wire_bytes_by_axes(text: str, mesh: jax.sharding.Mesh) -> dict[tuple[str, ...], float]:
     """Bytes each device sends, keyed by the mesh axes its collectives' groups span.
 
@@ -181,12 +154,3 @@ def wire_bytes_by_axes(text: str, mesh: jax.sharding.Mesh) -> dict[tuple[str, ..
         key = tuple(n for n in names if n in spanned)
         out[key] = out.get(key, 0.0) + op.wire_bytes
     return out
-
-
-__all__: Sequence[str] = (
-    "init_hierarchical_state",
-    "hierarchical_psum",
-    "hierarchical_pmean",
-    "replica_groups",
-    "wire_bytes_by_axes",
-)

@@ -50,9 +50,10 @@ _INSTR = re.compile(
     r"(?P<op>" + "|".join(re.escape(o) for o in COLLECTIVE_OPS) + r")(?P<start>-start)?\("
 )
 _ARRAY = re.compile(r"\b(?P<dtype>[a-z]+[0-9]*[a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{(?P<body>\{[0-9,{} ]*\})\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<dims>[0-9,]+)\]<=")
-_EMPTY_GROUPS = re.compile(r"replica_groups=\{\}")
+_GROUPS_LIST = re.compile(r"replica_groups=\{(?P<body>(?:\{[0-9, ]*\},?\s*)*)\}")
+_GROUPS_IOTA = re.compile(
+    r"replica_groups=\[(?P<shape>[0-9,]+)\]<=\[(?P<dims>[0-9,]+)\](?:T\((?P<perm>[0-9,]+)\))?"
+)
 
 
 @dataclass(frozen=True)
@@ -89,17 +90,27 @@ def _arrays(shape_text: str) -> list[tuple[str, int]]:
     return out
 
 
-def _group_size(line: str, default: int) -> int:
-    m = _GROUPS_LIST.search(line)
-    if m:
-        first = re.search(r"\{([0-9, ]*)\}", m.group("body"))
-        members = [t for t in first.group(1).split(",") if t.strip()] if first else []
-        return max(len(members), 1)
+def replica_groups(line: str, num_devices: int) -> list[list[int]]:
+    """Device groups of one collective instruction (explicit or iota form; all devices if none)."""
     m = _GROUPS_IOTA.search(line)
     if m:
+        shape = [int(d) for d in m.group("shape").split(",")]
         dims = [int(d) for d in m.group("dims").split(",")]
-        return dims[-1] if len(dims) > 1 else dims[0]
-    return default
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group("perm"):
+            ids = ids.transpose([int(p) for p in m.group("perm").split(",")])
+        return ids.reshape(shape[0], -1).tolist() if len(shape) > 1 else [ids.reshape(-1).tolist()]
+    m = _GROUPS_LIST.search(line)
+    if m and m.group("body").strip():
+        return [
+            [int(t) for t in g.split(",") if t.strip()]
+            for g in re.findall(r"\{([0-9, ]*)\}", m.group("body"))
+        ]
+    return [list(range(num_devices))]
+
+
+def _group_size(line: str, default: int) -> int:
+    return max(len(replica_groups(line, default)[0]), 1)
 
 
 def _num_devices(text: str) -> int:

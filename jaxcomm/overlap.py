@@ -38,8 +38,6 @@ from __future__ import annotations
 import os
 import shlex
 
-__all__ = ["FLAG_DOCS", "merge_flags", "set_xla_flags", "xla_flags"]
-
 #: Every flag the presets may emit, with what it does (for docs and ``--help`` texts).
 FLAG_DOCS: dict[str, str] = {
     "xla_gpu_enable_latency_hiding_scheduler": (
@@ -131,9 +129,9 @@ def set_xla_flags(platform: str = "gpu", **kwargs) -> str:
     Raises:
       RuntimeError: a JAX backend already exists, so the flags would be ignored.
     """
-    from jaxcomm.distributed import _backends_initialized
+    from jaxcomm.distributed import backends_initialized
 
-    if _backends_initialized():
+    if backends_initialized():
         raise RuntimeError(
             "jaxcomm.set_xla_flags: a JAX backend is already initialized; XLA reads XLA_FLAGS "
             "once. Call this before the first jax computation (or set XLA_FLAGS in the shell)."

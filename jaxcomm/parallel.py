@@ -2,9 +2,10 @@
 
 Layout. A state leaf is either **replicated** (the same value on every device) or
 **per-device** (the error feedback of compressed collectives, 0/1 Adam's local momentum). A leaf
-is per-device exactly when it sits inside a node of one of :data:`PER_DEVICE_TYPES`
-(``jc.ReduceState``, ``jc.ScatterState``, ``jc.LocalState``). In the *global* layout used
-here, with ``n`` devices on the axis:
+is per-device exactly when it sits inside a node of a type marked with
+:func:`jaxcomm.state.per_device` where it is defined (``jc.ReduceState``, ``jc.ScatterState``,
+``jc.LocalState``, ...; your own types: :func:`register_per_device_type`). In the *global*
+layout used here, with ``n`` devices on the axis:
 
 * replicated leaves have their local shape and ``PartitionSpec()``;
 * per-device leaves are stacked on a new leading axis, shape ``(n, *local_shape)``, with
@@ -43,27 +44,19 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm._compat import ensure_varying
-from jaxcomm.collectives import ReduceState, ScatterState
-from jaxcomm.optim.zero_one_adam import LocalState, ZeroOneAdamState
+from jaxcomm.state import holds_per_device_params, is_per_device, per_device_types
+from jaxcomm.state import register_per_device_type as register_per_device_type
 
 PyTree = Any
 
-#: Node types whose leaves are private to each device (partitioned on the data axis).
-PER_DEVICE_TYPES: tuple[type, ...] = (ReduceState, ScatterState, LocalState)
 
-#: Optimizer-state node types whose optimizer keeps parameters per device.
-PER_DEVICE_PARAMS_TYPES: tuple[type, ...] = (ZeroOneAdamState,)
-
-
-def register_per_device_type(cls: type, *, params_per_device: bool = False) -> None:
-    """Declare a NamedTuple type of your own whose leaves are per device (or whose presence
-    in an optimizer state means the parameters are per device)."""
-    global PER_DEVICE_TYPES, PER_DEVICE_PARAMS_TYPES
-    if params_per_device:
-        if cls not in PER_DEVICE_PARAMS_TYPES:
-            PER_DEVICE_PARAMS_TYPES = (*PER_DEVICE_PARAMS_TYPES, cls)
-    elif cls not in PER_DEVICE_TYPES:
-        PER_DEVICE_TYPES = (*PER_DEVICE_TYPES, cls)
+def __getattr__(name: str):
+    # The registries live in jaxcomm.state; these read-only views are always current.
+    if name == "PER_DEVICE_TYPES":
+        return per_device_types()
+    if name == "PER_DEVICE_PARAMS_TYPES":
+        return per_device_types(params=True)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class TrainState(NamedTuple):
@@ -74,19 +67,15 @@ class TrainState(NamedTuple):
     opt_state: PyTree
 
 
-def _is_per_device(node) -> bool:
-    return isinstance(node, PER_DEVICE_TYPES)
-
-
 def _map_by_kind(state: PyTree, per_device: Callable, replicated: Callable) -> PyTree:
     """Apply ``per_device`` to leaves inside per-device nodes, ``replicated`` to all others."""
 
     def visit(node):
-        if _is_per_device(node):
+        if is_per_device(node):
             return jax.tree.map(per_device, node)
         return replicated(node)
 
-    return jax.tree.map(visit, state, is_leaf=_is_per_device)
+    return jax.tree.map(visit, state, is_leaf=is_per_device)
 
 
 def params_are_per_device(opt_state: PyTree) -> bool:
@@ -94,10 +83,10 @@ def params_are_per_device(opt_state: PyTree) -> bool:
     found = []
 
     def visit(node):
-        found.append(isinstance(node, PER_DEVICE_PARAMS_TYPES))
+        found.append(holds_per_device_params(node))
         return node
 
-    jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, PER_DEVICE_PARAMS_TYPES))
+    jax.tree.map(visit, opt_state, is_leaf=holds_per_device_params)
     return any(found)
 
 
@@ -387,24 +376,3 @@ def make_pmap_train_step(
 
     step.pmapped = pmapped
     return step, state
-
-
-__all__ = [
-    "PER_DEVICE_PARAMS_TYPES",
-    "PER_DEVICE_TYPES",
-    "TrainState",
-    "from_pmap_layout",
-    "global_view",
-    "init_opt_state",
-    "init_train_state",
-    "local_view",
-    "make_pmap_train_step",
-    "make_train_step",
-    "params_are_per_device",
-    "params_of",
-    "register_per_device_type",
-    "stack_per_device",
-    "state_partition_specs",
-    "to_pmap_layout",
-    "train_state_specs",
-]

@@ -45,42 +45,18 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from jaxcomm.bucketing import Bucket
-from jaxcomm.collectives import _STATE_TYPES, _plan, init_state
 from jaxcomm.compressors import (
     Compressor,
-    OneBitScatterState,
-    OneBitState,
     PowerSGDState,
     TopKState,
     TwoStageScatterState,
     TwoStageState,
 )
+from jaxcomm.layout import Bucket, concatenated_to_rank_major, rank_major_to_concatenated
+from jaxcomm.state import STATE_TYPES, init_state, plan_tree
 
 PyTree = Any
 Layout = Literal["stacked", "concatenated"]
-
-
-def _rank_major_to_real(rows: np.ndarray, bucket: Bucket, n: int) -> np.ndarray:
-    """``(n, >= C)`` rank-major rows -> the bucket's ``(N,)`` concatenated coordinates."""
-    parts, offset = [], 0
-    for size, c in zip(bucket.sizes, bucket.shard_sizes(n), strict=True):
-        parts.append(rows[:, offset : offset + c].reshape(n * c)[:size])
-        offset += c
-    return np.concatenate(parts) if parts else np.zeros((0,), rows.dtype)
-
-
-def _real_to_rank_major(flat: np.ndarray, bucket: Bucket, n: int, row_length: int) -> np.ndarray:
-    """Inverse of :func:`_rank_major_to_real`, zero-padded to ``(n, row_length)``."""
-    rows = np.zeros((n, row_length), flat.dtype)
-    offset, start = 0, 0
-    for size, c in zip(bucket.sizes, bucket.shard_sizes(n), strict=True):
-        leaf = np.zeros((n * c,), flat.dtype)
-        leaf[:size] = flat[start : start + size]
-        rows[:, offset : offset + c] = leaf.reshape(n, c)
-        offset += c
-        start += size
-    return rows
 
 
 def pending_sum(states: Sequence[Any], bucket: Bucket, op: str) -> np.ndarray | None:
@@ -89,27 +65,27 @@ def pending_sum(states: Sequence[Any], bucket: Bucket, op: str) -> np.ndarray | 
     n = len(states)
     numel = bucket.numel
     first = states[0]
-    if isinstance(first, OneBitState | TwoStageState):
+    if isinstance(first, TwoStageState):
         worker = sum(np.asarray(s.worker_error, np.float64)[:numel] for s in states)
         server = np.concatenate([np.asarray(s.server_error, np.float64) for s in states])
         return worker + n * server[:numel]
     if isinstance(first, PowerSGDState):
         return sum(np.asarray(s.error, np.float64) for s in states)
-    if isinstance(first, OneBitScatterState | TwoStageScatterState | TopKState):
+    if isinstance(first, TwoStageScatterState | TopKState):
         errors = [
             np.asarray(s.worker_error if not isinstance(s, TopKState) else s.error, np.float64)
             for s in states
         ]
         if isinstance(first, TopKState) and op == "all_reduce":
             return sum(errors)
-        return sum(_rank_major_to_real(e.reshape(n, -1), bucket, n) for e in errors)
+        return sum(rank_major_to_concatenated(e.reshape(n, -1), bucket, n, xp=np) for e in errors)
     return None
 
 
 def _spread(template: Any, total: np.ndarray, bucket: Bucket, m: int, op: str, old) -> Any:
     """One new device's bucket state carrying ``total / m`` (``template``: its zeros)."""
     share = (total / m).astype(np.float32)
-    if isinstance(template, OneBitState | TwoStageState):
+    if isinstance(template, TwoStageState):
         worker = np.zeros(template.worker_error.shape, np.float32)
         worker[: bucket.numel] = share
         return type(template)(worker, np.zeros(template.server_error.shape, np.float32))
@@ -123,7 +99,7 @@ def _spread(template: Any, total: np.ndarray, bucket: Bucket, m: int, op: str, o
         return TopKState(share)
     field = template.error if isinstance(template, TopKState) else template.worker_error
     row_length = field.shape[0] // m
-    rows = _real_to_rank_major(share, bucket, m, row_length).reshape(-1)
+    rows = concatenated_to_rank_major(share, bucket, m, row_length, xp=np).reshape(-1)
     return type(template)(rows)
 
 
@@ -207,16 +183,16 @@ def resize_state(
         return None
     old_template = init_state(compressor, tree, axis_size=n, bucket_bytes=bucket_bytes, op=op)
     new_template = init_state(compressor, tree, axis_size=m, bucket_bytes=bucket_bytes, op=op)
-    if type(state) is not _STATE_TYPES[op]:
+    if type(state) is not STATE_TYPES[op]:
         raise ValueError(
             f"jaxcomm: resize_state: got a {type(state).__name__}, expected "
-            f"{_STATE_TYPES[op].__name__} for op={op!r}"
+            f"{STATE_TYPES[op].__name__} for op={op!r}"
         )
     states = _split(state, n, layout)
     _check(states, old_template, n)
     if not jax.tree.leaves(new_template):
         return new_template  # nothing per device
-    _, _, buckets = _plan(tree, compressor, bucket_bytes)
+    _, _, buckets = plan_tree(tree, compressor, bucket_bytes)
     new_buckets: list[list[Any]] = [[] for _ in range(m)]
     dropped = []
     for k, bucket in enumerate(buckets):
@@ -246,5 +222,3 @@ def resize_state(
     ]
     return _join(new_states, layout)
 
-
-__all__: Sequence[str] = ("resize_state", "pending_sum")

@@ -14,9 +14,9 @@ from jaxcomm.hierarchical import (
     hierarchical_pmean,
     hierarchical_psum,
     init_hierarchical_state,
-    replica_groups,
     wire_bytes_by_axes,
 )
+from jaxcomm.hlo import replica_groups
 
 S, L = 2, 4  # nodes (slow axis) x local devices (fast axis)
 BOTH = ("node", "local")

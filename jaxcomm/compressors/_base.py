@@ -10,6 +10,9 @@ Every compressor implements three reductions over an axis of size ``n``:
 * ``reduce_scatter``: ``(n, C)`` rank-major buffer -> this device's ``(C,)`` row of the sum/mean;
 * ``all_gather``: this device's ``(C,)`` row -> ``(n, C)``.
 
+A reduction returns whichever of sum and mean its algorithm produces (``returns_mean``); the
+collectives turn it into the one the caller asked for, in one place (:mod:`jaxcomm.collectives`).
+
 Integer and bool leaves never reach a compressor: they are reduced exactly by the caller.
 """
 
@@ -25,12 +28,7 @@ import numpy as np
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
-from jaxcomm.bucketing import Bucket
-
-
-def round_up(value: int, multiple: int) -> int:
-    """The smallest multiple of ``multiple`` that is ``>= value``."""
-    return -(-value // multiple) * multiple
+from jaxcomm.layout import Bucket
 
 
 class Compressor(abc.ABC):
@@ -38,6 +36,15 @@ class Compressor(abc.ABC):
 
     #: True when reductions are lossy (MAX/MIN are then refused, since they cannot be compressed).
     lossy: bool = True
+
+    #: True when :meth:`all_reduce` / :meth:`reduce_scatter` return the mean over the axis (the
+    #: collectives multiply by ``n`` for a sum), False when they return the sum (divided by ``n``
+    #: for a mean). Each compressor returns what its algorithm computes, so no rounding is added.
+    returns_mean: bool = False
+
+    #: The layout :meth:`reduce_scatter_bucket` receives: ``"rank_major"`` ``(n, C)`` rows, or
+    #: ``"concatenated"`` ``(N,)`` (a compressor that reduces the whole bucket, as PowerSGD).
+    scatter_layout: str = "rank_major"
 
     def compute_dtype(self, dtype: np.dtype) -> np.dtype:
         """Dtype of the buffer a floating leaf of ``dtype`` is reduced in."""
@@ -53,13 +60,13 @@ class Compressor(abc.ABC):
 
     @abc.abstractmethod
     def all_reduce(
-        self, flat: jax.Array, state: Any, *, axis_name: str, axis_size: int, mean: bool
+        self, flat: jax.Array, state: Any, *, axis_name: str, axis_size: int
     ) -> tuple[jax.Array, Any]:
-        """Sum (or mean) of ``flat`` over the axis; returns it and the new bucket state."""
+        """Sum (or mean, see ``returns_mean``) of ``flat`` over the axis, and the new state."""
 
     @abc.abstractmethod
     def reduce_scatter(
-        self, rows: jax.Array, state: Any, *, axis_name: str, axis_size: int, mean: bool
+        self, rows: jax.Array, state: Any, *, axis_name: str, axis_size: int
     ) -> tuple[jax.Array, Any]:
         """Row ``axis_index`` of the sum (or mean) of ``rows`` over the axis, and the new state."""
 
@@ -79,7 +86,7 @@ class Compressor(abc.ABC):
 
     # Bucket-aware entry points, called by jaxcomm.collectives. By default they forward to the
     # flat methods above; a compressor that needs the leaves' shapes (PowerSGD views leaves as
-    # matrices) overrides them. ``bucket`` is a static :class:`jaxcomm.bucketing.Bucket`.
+    # matrices) overrides them. ``bucket`` is a static :class:`jaxcomm.layout.Bucket`.
 
     def init_bucket_state(self, bucket: Bucket, axis_size: int, op: str) -> Any:
         """State of one bucket for ``op`` (``"all_reduce"`` or ``"reduce_scatter"``)."""
@@ -88,16 +95,16 @@ class Compressor(abc.ABC):
         return self.init_reduce_scatter_state(bucket.shard_numel(axis_size), axis_size)
 
     def all_reduce_bucket(
-        self, flat: jax.Array, state: Any, bucket: Bucket, *, axis_name, axis_size, mean
+        self, flat: jax.Array, state: Any, bucket: Bucket, *, axis_name, axis_size
     ) -> tuple[jax.Array, Any]:
         """:meth:`all_reduce` of a bucket's concatenated layout, knowing its leaves."""
-        return self.all_reduce(flat, state, axis_name=axis_name, axis_size=axis_size, mean=mean)
+        return self.all_reduce(flat, state, axis_name=axis_name, axis_size=axis_size)
 
     def reduce_scatter_bucket(
-        self, rows: jax.Array, state: Any, bucket: Bucket, *, axis_name, axis_size, mean
+        self, rows: jax.Array, state: Any, bucket: Bucket, *, axis_name, axis_size
     ) -> tuple[jax.Array, Any]:
-        """:meth:`reduce_scatter` of a bucket's rank-major layout, knowing its leaves."""
-        return self.reduce_scatter(rows, state, axis_name=axis_name, axis_size=axis_size, mean=mean)
+        """:meth:`reduce_scatter` of a bucket in its ``scatter_layout``, knowing its leaves."""
+        return self.reduce_scatter(rows, state, axis_name=axis_name, axis_size=axis_size)
 
 
 @dataclass(frozen=True)
@@ -113,10 +120,9 @@ class NoCompression(Compressor):
     def compute_dtype(self, dtype: np.dtype) -> np.dtype:
         return np.dtype(dtype)
 
-    def all_reduce(self, flat, state, *, axis_name, axis_size, mean):
-        out = lax.psum(flat, axis_name)
-        return (out / axis_size if mean else out), state
+    def all_reduce(self, flat, state, *, axis_name, axis_size):
+        return lax.psum(flat, axis_name), state
 
-    def reduce_scatter(self, rows, state, *, axis_name, axis_size, mean):
+    def reduce_scatter(self, rows, state, *, axis_name, axis_size):
         row = lax.psum_scatter(ensure_varying(rows, axis_name), axis_name, scatter_dimension=0)
-        return (row / axis_size if mean else row), state
+        return row, state

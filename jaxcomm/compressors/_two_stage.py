@@ -16,6 +16,7 @@ from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
 from jaxcomm.compressors._base import Compressor
+from jaxcomm.layout import ceil_div
 
 
 class TwoStageState(NamedTuple):
@@ -53,6 +54,7 @@ class ReduceInFp32(Compressor):
     """
 
     error_feedback: bool
+    returns_mean = True
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -75,7 +77,7 @@ class ReduceInFp32(Compressor):
     def init_all_reduce_state(self, numel: int, axis_size: int) -> TwoStageState | tuple:
         if not self.error_feedback:
             return ()
-        blocks, length = self._layout(-(-numel // axis_size))
+        blocks, length = self._layout(ceil_div(numel, axis_size))
         chunk = blocks * length
         return TwoStageState(
             worker_error=jnp.zeros((axis_size * chunk,), jnp.float32),
@@ -102,9 +104,9 @@ class ReduceInFp32(Compressor):
         )
         return self._reduce_mean(wire, axis_size), worker_error
 
-    def all_reduce(self, flat, state, *, axis_name, axis_size, mean):
+    def all_reduce(self, flat, state, *, axis_name, axis_size):
         numel = flat.shape[0]
-        blocks, length = self._layout(-(-numel // axis_size))
+        blocks, length = self._layout(ceil_div(numel, axis_size))
         buf = jnp.pad(flat, (0, axis_size * blocks * length - numel))
         ef = self.error_feedback
         chunk, worker_error = self._exchange(
@@ -116,9 +118,9 @@ class ReduceInFp32(Compressor):
         new_state = TwoStageState(worker_error, (chunk - recon).reshape(-1)) if ef else state
         wire = tuple(all_gather_replicated(w, axis_name) for w in wire)
         out = self._decode(wire).reshape(-1)[:numel]
-        return (out if mean else out * axis_size), new_state
+        return out, new_state
 
-    def reduce_scatter(self, rows, state, *, axis_name, axis_size, mean):
+    def reduce_scatter(self, rows, state, *, axis_name, axis_size):
         row_numel = rows.shape[1]
         blocks, length = self._layout(row_numel)
         buf = jnp.pad(rows, ((0, 0), (0, blocks * length - row_numel))).reshape(-1)
@@ -128,7 +130,7 @@ class ReduceInFp32(Compressor):
         )
         row = chunk.reshape(-1)[:row_numel]
         new_state = TwoStageScatterState(worker_error) if ef else state
-        return (row if mean else row * axis_size), new_state
+        return row, new_state
 
     def all_gather(self, row, *, axis_name, axis_size):
         """Each device's row is compressed, gathered and decompressed (lossy, no feedback)."""

@@ -11,8 +11,9 @@ import numpy as np
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
-from jaxcomm.compressors._base import Compressor, round_up
+from jaxcomm.compressors._base import Compressor
 from jaxcomm.compressors._two_stage import TwoStageScatterState, TwoStageState
+from jaxcomm.layout import round_up
 
 # Bit k of a packed byte (most significant first) holds element 8*i + k: DeepSpeed's order.
 _BIT_SHIFTS = np.arange(7, -1, -1, dtype=np.uint8)
@@ -91,6 +92,8 @@ class OneBit(Compressor):
     them, and weights carry no error feedback.
     """
 
+    returns_mean = True
+
     def finite_probe(self, output, state) -> list[jax.Array]:
         # A non-finite input makes a scale (an L2 norm) non-finite, and every element of a chunk
         # is scale * sign: one element per output chunk and the first element of each error
@@ -123,7 +126,7 @@ class OneBit(Compressor):
         scales = lax.all_gather(ensure_varying(scale, axis_name), axis_name)
         return _weighted_sign_sum(received, scales / axis_size), worker_error
 
-    def all_reduce(self, flat, state: OneBitState, *, axis_name, axis_size, mean):
+    def all_reduce(self, flat, state: OneBitState, *, axis_name, axis_size):
         numel = flat.shape[0]
         padded = state.worker_error.shape[0]
         buf = jnp.pad(flat, (0, padded - numel))
@@ -132,16 +135,11 @@ class OneBit(Compressor):
         signs = all_gather_replicated(packed, axis_name)
         scales = all_gather_replicated(scale, axis_name)
         out = (unpack_signs(signs) * scales[:, None]).reshape(-1)[:numel]
-        if not mean:
-            out = out * axis_size
         return out, OneBitState(worker_error, server_error)
 
-    def reduce_scatter(self, rows, state: OneBitScatterState, *, axis_name, axis_size, mean):
+    def reduce_scatter(self, rows, state: OneBitScatterState, *, axis_name, axis_size):
         row_numel = rows.shape[1]
         padded_row = state.worker_error.shape[0] // axis_size
         buf = jnp.pad(rows, ((0, 0), (0, padded_row - row_numel))).reshape(-1)
         row, worker_error = self._exchange(buf, state.worker_error, axis_name, axis_size)
-        row = row[:row_numel]
-        if not mean:
-            row = row * axis_size
-        return row, OneBitScatterState(worker_error)
+        return row[:row_numel], OneBitScatterState(worker_error)

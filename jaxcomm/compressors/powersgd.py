@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm.bucketing import Bucket
 from jaxcomm.compressors._base import Compressor
+from jaxcomm.layout import Bucket, concatenated_to_rank_major
 
 
 class PowerSGDState(NamedTuple):
@@ -99,6 +99,9 @@ class PowerSGD(Compressor):
     seed: int = 0
     orthogonalization_epsilon: float = 0.0
 
+    returns_mean = True
+    scatter_layout = "concatenated"
+
     def __post_init__(self):
         if not isinstance(self.rank, int | np.integer) or self.rank < 1:
             raise ValueError(f"jaxcomm: PowerSGD rank must be an int >= 1, got {self.rank!r}")
@@ -136,7 +139,7 @@ class PowerSGD(Compressor):
             error=jnp.zeros((bucket.numel,), jnp.float32), q=q, step=jnp.zeros((1,), jnp.int32)
         )
 
-    def all_reduce(self, flat, state, *, axis_name, axis_size, mean):
+    def all_reduce(self, flat, state, *, axis_name, axis_size):
         raise TypeError(
             "jaxcomm: PowerSGD needs the leaves' shapes; call it through jc.compressed_psum / "
             "compressed_pmean / compressed_psum_scatter"
@@ -144,7 +147,7 @@ class PowerSGD(Compressor):
 
     reduce_scatter = all_reduce
 
-    def all_reduce_bucket(self, flat, state: PowerSGDState, bucket, *, axis_name, axis_size, mean):
+    def all_reduce_bucket(self, flat, state: PowerSGDState, bucket, *, axis_name, axis_size):
         plan = self.leaf_plan(bucket.shapes)
         low = [leaf for leaf in plan if leaf.rank]
         exact = [leaf for leaf in plan if not leaf.rank]
@@ -198,27 +201,13 @@ class PowerSGD(Compressor):
             q=q_new if self.warm_start else state.q,
             step=state.step + 1,
         )
-        return (out if mean else out * axis_size), new_state
+        return out, new_state
 
-    def reduce_scatter_bucket(self, rows, state, bucket, *, axis_name, axis_size, mean):
-        """The low-rank all-reduce of the whole bucket, then this device's rank-major row."""
-        offsets = np.cumsum((0,) + bucket.shard_sizes(axis_size))
-        flat = jnp.concatenate(
-            [
-                rows[:, offsets[k] : offsets[k] + c].reshape(-1)[:size]
-                for k, (size, c) in enumerate(
-                    zip(bucket.sizes, bucket.shard_sizes(axis_size), strict=True)
-                )
-            ]
-        )
+    def reduce_scatter_bucket(self, flat, state, bucket, *, axis_name, axis_size):
+        """The low-rank all-reduce of the whole (concatenated) bucket, then this device's row."""
         reduced, state = self.all_reduce_bucket(
-            flat, state, bucket, axis_name=axis_name, axis_size=axis_size, mean=mean
+            flat, state, bucket, axis_name=axis_name, axis_size=axis_size
         )
-        layout, start = [], 0
-        for size, c in zip(bucket.sizes, bucket.shard_sizes(axis_size), strict=True):
-            leaf = jnp.pad(reduced[start : start + size], (0, axis_size * c - size))
-            layout.append(leaf.reshape(axis_size, c))
-            start += size
-        full = jnp.concatenate(layout, axis=1)
+        full = concatenated_to_rank_major(reduced, bucket, axis_size)
         index = lax.axis_index(axis_name)
         return lax.dynamic_index_in_dim(full, index, axis=0, keepdims=False), state

@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm.compressors._base import round_up
 from jaxcomm.compressors._two_stage import (
     ReduceInFp32,
     TwoStageScatterState,
     TwoStageState,
     unrolled_sum,
 )
+from jaxcomm.layout import ceil_div, round_up
 
 #: Names kept for readability at call sites.
 QuantizeState = TwoStageState
@@ -29,8 +29,8 @@ def block_layout(chunk_numel: int, block_size: int, bits: int) -> tuple[int, int
     up to even for int4 (two values per byte), so a chunk is padded by less than ``B + 1``
     elements instead of up to a whole block: small buckets stay small on the wire.
     """
-    blocks = max(1, -(-chunk_numel // block_size))
-    length = max(1, -(-chunk_numel // blocks))
+    blocks = max(1, ceil_div(chunk_numel, block_size))
+    length = max(1, ceil_div(chunk_numel, blocks))
     if bits == 4:
         length = round_up(length, 2)
     return blocks, length

@@ -83,18 +83,18 @@ class TopK(Compressor):
             new_state = TopKState(sent.reshape(-1))
         return values, idx, new_state
 
-    def all_reduce(self, flat, state, *, axis_name, axis_size, mean):
+    def all_reduce(self, flat, state, *, axis_name, axis_size):
         numel = flat.shape[0]
         values, idx, new_state = self._select(flat, self._k(numel), state)
         values = all_gather_replicated(ensure_varying(values, axis_name), axis_name)
         idx = all_gather_replicated(ensure_varying(idx, axis_name), axis_name)
         out = jnp.zeros((numel,), jnp.float32).at[idx.reshape(-1)].add(values.reshape(-1))
-        return (out / axis_size if mean else out), new_state
+        return out, new_state
 
-    def reduce_scatter(self, rows, state, *, axis_name, axis_size, mean):
+    def reduce_scatter(self, rows, state, *, axis_name, axis_size):
         row_numel = rows.shape[1]
         values, idx, new_state = self._select(rows, self._k(row_numel), state)
         values = lax.all_to_all(ensure_varying(values, axis_name), axis_name, 0, 0, tiled=True)
         idx = lax.all_to_all(ensure_varying(idx, axis_name), axis_name, 0, 0, tiled=True)
         row = jnp.zeros((row_numel,), jnp.float32).at[idx.reshape(-1)].add(values.reshape(-1))
-        return (row / axis_size if mean else row), new_state
+        return row, new_state

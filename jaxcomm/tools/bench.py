@@ -414,10 +414,10 @@ def _rows(results: Sequence[dict]) -> list[BenchRow]:
 def _in_process(config: BenchConfig) -> list[BenchRow]:
     import jax
 
-    from jaxcomm.distributed import _backends_initialized
+    from jaxcomm.distributed import backends_initialized
 
     # Simulated devices must be requested before jax initializes its CPU backend.
-    if not _backends_initialized() and "JAX_NUM_CPU_DEVICES" not in os.environ:
+    if not backends_initialized() and "JAX_NUM_CPU_DEVICES" not in os.environ:
         jax.config.update("jax_num_cpu_devices", config.devices)
     import numpy as np
     from jax.sharding import AxisType, NamedSharding

@@ -1,4 +1,4 @@
-"""Fused flatten of pytrees into size-bounded, dtype-homogeneous buckets.
+"""Buckets and their layouts: the plan, the flatten/unflatten steps, shard math, the bucket loop.
 
 DeepSpeed coalesces many small tensors into one flat buffer so that one collective replaces
 hundreds (``reduce_scatter_coalesced``, the 1-bit optimizers' flat momentum). Here the same is done
@@ -14,6 +14,10 @@ Two layouts are used:
   is zero-padded to ``n * c_i`` with ``c_i = ceil(numel_i / n)``; row ``r`` of the ``(n, C)``
   buffer, ``C = sum(c_i)``, holds ``[r*c_i, (r+1)*c_i)`` of every leaf, so device ``r`` receives
   its slice of every leaf from one collective.
+
+The rank-major conversions exist once, for ``jnp`` and NumPy alike (``xp=``): the collectives
+build it on device, :mod:`jaxcomm.resize` re-cuts error feedback on the host. :func:`map_buckets`
+is the one loop over buckets that every collective (and :mod:`jaxcomm.backend`) runs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,16 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints, without floats."""
+    return -(-a // b)
+
+
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is ``>= value``."""
+    return ceil_div(value, multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -56,7 +70,7 @@ class Bucket:
 
     def shard_sizes(self, n: int) -> tuple[int, ...]:
         """Per-device slice length ``c_i = ceil(numel_i / n)`` of each leaf."""
-        return tuple(-(-size // n) for size in self.sizes)
+        return tuple(ceil_div(size, n) for size in self.sizes)
 
     def shard_numel(self, n: int) -> int:
         """Row length ``C = sum(c_i)`` of the rank-major layout."""
@@ -141,10 +155,62 @@ def unflatten_bucket(flat: jax.Array, bucket: Bucket, dtypes=None) -> list[jax.A
 
     ``dtypes`` overrides the per-leaf dtypes (exact mean of integers is floating, as ``lax.pmean``).
     """
-    out, offset = [], 0
     dtypes = bucket.dtypes if dtypes is None else dtypes
-    for shape, size, dtype in zip(bucket.shapes, bucket.sizes, dtypes, strict=True):
-        out.append(flat[offset : offset + size].reshape(shape).astype(dtype))
+    return [
+        piece.reshape(shape).astype(dtype)
+        for piece, shape, dtype in zip(
+            split_concatenated(flat, bucket), bucket.shapes, dtypes, strict=True
+        )
+    ]
+
+
+def leaves_to_rank_major(parts: Sequence, bucket: Bucket, n: int, row_length=None, xp=jnp):
+    """Per-leaf flat ``(numel_i,)`` arrays -> the ``(n, row_length)`` rank-major buffer.
+
+    Leaf ``i`` is zero-padded to ``n * c_i`` and cut into ``n`` rows of ``c_i``; the rows are
+    concatenated leaf after leaf, then zero-padded to ``row_length`` (default ``C``). ``xp`` is
+    ``jnp`` (on device) or ``np`` (host).
+    """
+    dtype = parts[0].dtype if parts else bucket.dtype
+    rows = [
+        xp.pad(p, (0, n * c - size)).reshape(n, c)
+        for p, size, c in zip(parts, bucket.sizes, bucket.shard_sizes(n), strict=True)
+    ]
+    extra = (bucket.shard_numel(n) if row_length is None else row_length) - bucket.shard_numel(n)
+    if extra:
+        rows.append(xp.zeros((n, extra), dtype))
+    if not rows:
+        return xp.zeros((n, 0), dtype)
+    return rows[0] if len(rows) == 1 else xp.concatenate(rows, axis=1)
+
+
+def rank_major_to_leaves(rows, bucket: Bucket, n: int) -> list:
+    """Inverse of :func:`leaves_to_rank_major` from ``(n, >= C)`` rows: per-leaf ``(numel_i,)``."""
+    out, offset = [], 0
+    for size, c in zip(bucket.sizes, bucket.shard_sizes(n), strict=True):
+        out.append(rows[:, offset : offset + c].reshape(n * c)[:size])
+        offset += c
+    return out
+
+
+def concatenated_to_rank_major(flat, bucket: Bucket, n: int, row_length=None, xp=jnp):
+    """The concatenated ``(N,)`` layout -> rank-major ``(n, row_length)`` (jnp or NumPy)."""
+    return leaves_to_rank_major(split_concatenated(flat, bucket), bucket, n, row_length, xp)
+
+
+def rank_major_to_concatenated(rows, bucket: Bucket, n: int, xp=jnp):
+    """Rank-major ``(n, >= C)`` rows -> the concatenated ``(N,)`` layout (jnp or NumPy)."""
+    parts = rank_major_to_leaves(rows, bucket, n)
+    if not parts:
+        return xp.zeros((0,), rows.dtype)
+    return parts[0] if len(parts) == 1 else xp.concatenate(parts)
+
+
+def split_concatenated(flat, bucket: Bucket) -> list:
+    """The concatenated ``(N,)`` layout cut into per-leaf ``(numel_i,)`` pieces."""
+    out, offset = [], 0
+    for size in bucket.sizes:
+        out.append(flat[offset : offset + size])
         offset += size
     return out
 
@@ -156,17 +222,10 @@ def flatten_bucket_rank_major(
 
     ``row_length`` (default ``C``) lets a compressor ask for extra zero padding per row.
     """
-    rows = []
-    for i, size, c in zip(bucket.leaf_ids, bucket.sizes, bucket.shard_sizes(n), strict=True):
-        flat = jnp.ravel(leaves[i]).astype(bucket.dtype)
-        rows.append(jnp.pad(flat, (0, n * c - size)).reshape(n, c))
-    row_length = bucket.shard_numel(n) if row_length is None else row_length
-    extra = row_length - bucket.shard_numel(n)
-    if extra:
-        rows.append(jnp.zeros((n, extra), bucket.dtype))
-    if not rows:
+    parts = [jnp.ravel(leaves[i]).astype(bucket.dtype) for i in bucket.leaf_ids]
+    if not parts:
         return jnp.zeros((n, 0), bucket.dtype)
-    return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+    return leaves_to_rank_major(parts, bucket, n, row_length)
 
 
 def split_shard(shard: jax.Array, bucket: Bucket, n: int) -> list[jax.Array]:
@@ -196,11 +255,26 @@ def join_shards(shards: Sequence[jax.Array], bucket: Bucket, n: int) -> jax.Arra
 
 def unflatten_rank_major(rows: jax.Array, bucket: Bucket, n: int) -> list[jax.Array]:
     """Inverse of :func:`flatten_bucket_rank_major` from the gathered ``(n, >= C)`` buffer."""
-    out, offset = [], 0
-    for shape, size, c, dtype in zip(
-        bucket.shapes, bucket.sizes, bucket.shard_sizes(n), bucket.dtypes, strict=True
-    ):
-        flat = rows[:, offset : offset + c].reshape(n * c)[:size]
-        out.append(flat.reshape(shape).astype(dtype))
-        offset += c
-    return out
+    return [
+        flat.reshape(shape).astype(dtype)
+        for flat, shape, dtype in zip(
+            rank_major_to_leaves(rows, bucket, n), bucket.shapes, bucket.dtypes, strict=True
+        )
+    ]
+
+
+def map_buckets(fn: Callable, buckets: Sequence[Bucket], num_leaves: int, *per_bucket):
+    """The one loop over buckets: ``fn(bucket, *xs)`` -> ``(bucket's output leaves, extra)``.
+
+    ``per_bucket`` are sequences zipped with ``buckets`` (e.g. the bucket states). Returns the
+    output leaves in tree order (each bucket's leaves put back at its ``leaf_ids``) and the list
+    of each bucket's ``extra`` (e.g. its new state).
+    """
+    out: list = [None] * num_leaves
+    extras = []
+    for bucket, *xs in zip(buckets, *per_bucket, strict=True):
+        leaves, extra = fn(bucket, *xs)
+        for i, leaf in zip(bucket.leaf_ids, leaves, strict=True):
+            out[i] = leaf
+        extras.append(extra)
+    return out, extras

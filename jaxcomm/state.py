@@ -1,0 +1,240 @@
+"""Error-feedback state of the collectives: its types, construction, validation, the guard.
+
+State. :func:`init_state` builds one device's error-feedback state for its local tree. Every state
+leaf is a rank >= 1 array private to its device, so a whole state passes through ``shard_map``
+with ``in_specs``/``out_specs`` ``P(axis_name)`` (globally: the per-device states concatenated
+along axis 0) or through ``pmap`` stacked on a leading axis. The state's bucket layout depends on
+the tree, the axis size and ``bucket_bytes``; :func:`check_state` refuses a state built for
+anything else with an error naming the mismatch.
+
+Non-finite input. A NaN or Inf gradient makes the output non-finite (so loss scaling or
+skip-step logic sees it), but it never reaches the error feedback: :func:`keep_finite` keeps every
+bucket state at its previous (finite) value when a call's compressed output or new error state is
+not finite, and counts the call in the state's ``nonfinite`` counter (per device, int32 ``(1,)``).
+
+Per-device types. A state type whose leaves differ per device marks itself with
+:func:`per_device` where it is defined; :mod:`jaxcomm.parallel` asks :func:`is_per_device` and
+imports no optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomm.compressors import Compressor
+from jaxcomm.layout import Bucket, plan_buckets
+
+PyTree = Any
+StateOp = Literal["all_reduce", "reduce_scatter"]
+
+# -- per-device registry ---------------------------------------------------------------------
+
+_PER_DEVICE: list[type] = []
+_PER_DEVICE_PARAMS: list[type] = []
+
+
+def per_device(cls: type | None = None, *, params: bool = False):
+    """Class decorator: values of this (``NamedTuple``) type are private to each device.
+
+    ``@per_device``: the node's leaves are per-device (error feedback, local moments): they are
+    sharded over the data axis by :func:`jaxcomm.state_partition_specs`. ``@per_device(params=
+    True)``: the optimizer state also keeps the parameters per device between syncs (0/1 Adam's
+    local steps), so the train state's params are per-device too.
+    """
+
+    def mark(c: type) -> type:
+        registry = _PER_DEVICE_PARAMS if params else _PER_DEVICE
+        if c not in registry:
+            registry.append(c)
+        return c
+
+    return mark if cls is None else mark(cls)
+
+
+def register_per_device_type(cls: type, *, params_per_device: bool = False) -> None:
+    """Function form of :func:`per_device` (for types defined outside jaxcomm)."""
+    per_device(cls, params=params_per_device)
+
+
+def per_device_types(*, params: bool = False) -> tuple[type, ...]:
+    """The registered per-device types (``params=True``: those with per-device params)."""
+    return tuple(_PER_DEVICE_PARAMS if params else _PER_DEVICE)
+
+
+def is_per_device(node: Any) -> bool:
+    """True for a node of a registered per-device type."""
+    return isinstance(node, tuple(_PER_DEVICE))
+
+
+def holds_per_device_params(node: Any) -> bool:
+    """True for a node of a type registered with ``params=True``."""
+    return isinstance(node, tuple(_PER_DEVICE_PARAMS))
+
+
+# -- state types -----------------------------------------------------------------------------
+
+
+@per_device
+class ReduceState(NamedTuple):
+    """Error feedback of :func:`compressed_psum` / :func:`compressed_pmean`, one per bucket.
+
+    Attributes:
+      buckets: one compressor state per bucket.
+      nonfinite: int32 ``(1,)``: calls whose output or new state was not finite, so the
+        bucket states were kept unchanged (``()`` when no bucket has error feedback).
+    """
+
+    buckets: tuple
+    nonfinite: Any = ()
+
+
+@per_device
+class ScatterState(NamedTuple):
+    """Error feedback of :func:`compressed_psum_scatter`, one entry per bucket; ``nonfinite``
+    as in :class:`ReduceState`."""
+
+    buckets: tuple
+    nonfinite: Any = ()
+
+
+#: The state type of each op.
+STATE_TYPES = {"all_reduce": ReduceState, "reduce_scatter": ScatterState}
+
+
+def check_compressor(compressor: Any) -> Compressor:
+    """``compressor`` if it is a jaxcomm :class:`Compressor`, else a clear ``TypeError``."""
+    if not isinstance(compressor, Compressor):
+        raise TypeError(
+            f"jaxcomm: compressor must be a jaxcomm Compressor (e.g. jc.OneBit()), "
+            f"got {compressor!r}"
+        )
+    return compressor
+
+
+def plan_tree(tree: PyTree, compressor: Compressor, bucket_bytes: int | None):
+    """``(leaves, treedef, buckets)`` of ``tree`` for ``compressor`` (static, at trace time)."""
+    check_compressor(compressor)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return leaves, treedef, plan_buckets(leaves, bucket_bytes, compressor.compute_dtype)
+
+
+def _bucket_state(compressor: Compressor, bucket: Bucket, axis_size: int, op: StateOp):
+    if bucket.exact or bucket.numel == 0:
+        return ()
+    return compressor.init_bucket_state(bucket, axis_size, op)
+
+
+def new_state(compressor: Compressor, buckets, axis_size: int, op: StateOp):
+    """A zero state for ``buckets`` (the planned buckets of a tree)."""
+    states = tuple(_bucket_state(compressor, b, axis_size, op) for b in buckets)
+    # The non-finite counter exists only where there is error feedback to protect, so exact
+    # compressors keep a leafless state (and accept None).
+    counter = jnp.zeros((1,), jnp.int32) if jax.tree_util.tree_leaves(states) else ()
+    return STATE_TYPES[op](states, counter)
+
+
+def init_state(
+    compressor: Compressor,
+    tree: PyTree,
+    *,
+    axis_size: int,
+    bucket_bytes: int | None = None,
+    op: StateOp = "all_reduce",
+) -> ReduceState | ScatterState:
+    """One device's error-feedback state for reducing its local ``tree`` over ``axis_size`` devices.
+
+    Args:
+      compressor: the compressor the state is for.
+      tree: the local tree (arrays or ``jax.ShapeDtypeStruct``s); only shapes and dtypes are read.
+      axis_size: number of devices on the reduced axis.
+      bucket_bytes: the bucket size the collective will be called with.
+      op: ``"all_reduce"`` for ``compressed_psum``/``compressed_pmean``, ``"reduce_scatter"`` for
+        ``compressed_psum_scatter``. (All-gathers carry no error feedback.)
+
+    Returns:
+      A ``ReduceState`` or ``ScatterState``; all leaves fp32 zeros of rank 1 (none for exact
+      compressors).
+
+    Examples:
+      >>> import jax, jaxcomm as jc
+      >>> state = jc.init_state(jc.OneBit(), {"w": jax.numpy.zeros((3, 5))}, axis_size=4)
+      >>> [x.shape for x in jax.tree.leaves(state)]  # worker, server error, nonfinite counter
+      [(32,), (8,), (1,)]
+    """
+    if op not in STATE_TYPES:
+        raise ValueError(f"jaxcomm: op must be 'all_reduce' or 'reduce_scatter', got {op!r}")
+    if not isinstance(axis_size, int | np.integer) or axis_size < 1:
+        raise ValueError(f"jaxcomm: axis_size must be a positive int, got {axis_size!r}")
+    _, _, buckets = plan_tree(tree, compressor, bucket_bytes)
+    return new_state(compressor, buckets, int(axis_size), op)
+
+
+def check_state(state, compressor, buckets, axis_name, axis_size, op: StateOp, bucket_bytes):
+    """Refuse, at trace time, a state that was built for another tree, axis or bucket size.
+
+    Returns the state to use: ``state``, or a leafless one when ``state`` is ``None`` and the
+    call needs none.
+    """
+    state_type = STATE_TYPES[op]
+    expected = jax.eval_shape(lambda: new_state(compressor, buckets, axis_size, op))
+    if state is None and not jax.tree_util.tree_leaves(expected):
+        return expected  # stateless (NoCompression, or only exact leaves): None is accepted
+    other = {v: k for k, v in STATE_TYPES.items()}
+    if type(state) in other and type(state) is not state_type:
+        raise ValueError(
+            f"jaxcomm: this state was built for {other[type(state)]!r} collectives; build one with "
+            f"jc.init_state(compressor, tree, axis_size=n, op={op!r})"
+        )
+    context = (
+        f"(this call: {len(buckets)} bucket(s), axis {axis_name!r} of size {axis_size}, "
+        f"bucket_bytes={bucket_bytes}, compressor {compressor!r}). Was the state built for another "
+        "tree, axis size, bucket_bytes or compressor?"
+    )
+    got_struct = jax.tree_util.tree_structure(state)
+    want_struct = jax.tree_util.tree_structure(expected)
+    if got_struct != want_struct:
+        raise ValueError(
+            f"jaxcomm: state structure {got_struct} does not match the expected {want_struct} "
+            + context
+        )
+    for path_got, want in zip(
+        jax.tree_util.tree_leaves_with_path(state), jax.tree_util.tree_leaves(expected), strict=True
+    ):
+        path, got = path_got
+        if tuple(got.shape) != tuple(want.shape) or np.dtype(got.dtype) != np.dtype(want.dtype):
+            raise ValueError(
+                f"jaxcomm: state leaf {jax.tree_util.keystr(path)} has per-device shape "
+                f"{tuple(got.shape)} {np.dtype(got.dtype)}, expected {tuple(want.shape)} "
+                f"{np.dtype(want.dtype)} " + context
+            )
+    return state
+
+
+# -- the non-finite guard --------------------------------------------------------------------
+
+
+def keep_finite(state, new_states, probes):
+    """The new state, or the old one (counted in ``nonfinite``) if anything is not finite.
+
+    ``probes`` are the compressed buckets' finite probes (:meth:`Compressor.finite_probe`: a
+    bucket's output and new state, or a few elements that decide it, as OneBit's), so the check
+    does not cost extra passes over buffers that are memory-bound to produce. Under normal
+    propagation a non-finite input on any device makes the (replicated) all-reduce output
+    non-finite everywhere, so all devices keep their states together; a device whose own new
+    state is non-finite keeps its state even if the output happens to be finite (e.g. a NaN
+    that top-k did not pick).
+    """
+    # A stateless call (state=None) returns None, so users can keep passing None.
+    if state is None:
+        return None
+    new_states = tuple(new_states)
+    if not jax.tree_util.tree_leaves(state.buckets):
+        return type(state)(new_states, state.nonfinite)
+    checks = [jnp.all(jnp.isfinite(x)) for x in probes]
+    finite = jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
+    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_states, state.buckets)
+    return type(state)(kept, state.nonfinite + jnp.where(finite, 0, 1).astype(jnp.int32))

@@ -401,3 +401,49 @@ def test_bad_input_is_refused(mesh):
         tx.update(params, state)
     with pytest.raises(ValueError, match="axis 'dp' is not bound"):
         tx.update(params, state, params)
+
+
+def test_flax_nnx_example_equals_the_train_step(mesh):
+    """examples/flax_nnx_diloco.py's NNX step (per-device model inside shard_map, jc.diloco in
+    nnx.Optimizer) gives the outer parameters of jc.make_train_step on the same pure pytree."""
+    import importlib.util
+    import pathlib
+
+    from flax import nnx
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "flax_nnx_diloco.py"
+    spec = importlib.util.spec_from_file_location("jaxcomm_example_flax_nnx_diloco", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    vocab, steps = 12, 5
+    rng = np.random.default_rng(0)
+    batches = [
+        (
+            rng.integers(0, vocab, (N * 2, example.CONTEXT)).astype(np.int32),
+            rng.integers(0, vocab, (N * 2,)).astype(np.int32),
+        )
+        for _ in range(steps)
+    ]
+    tx = jc.diloco(
+        optax.adam(1e-2),
+        optax.sgd(0.7, momentum=0.9, nesterov=True),
+        2,
+        "dp",
+        compressor=jc.Quantize(bits=8, error_feedback=True),
+        axis_size=N,
+    )
+    model, _ = example.train(mesh, "dp", tx, batches, vocab, diloco=True, name="", log=None)
+
+    graphdef, params = nnx.split(example.CharMLP(vocab, nnx.Rngs(0)), nnx.Param)
+
+    def pure_loss(params, batch):
+        return example.loss_fn(nnx.merge(graphdef, params), batch)
+
+    step, state = jc.make_train_step(mesh, "dp", pure_loss, tx, jax.tree.map(np.asarray, params))
+    for batch in batches:
+        state, _ = step(state, batch)
+    want = jc.diloco_params(state.opt_state)
+    got = nnx.state(model, nnx.Param)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

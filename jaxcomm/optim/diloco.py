@@ -69,14 +69,16 @@ import numpy as np
 import optax
 from jax import lax
 
-import jaxcomm.parallel as _parallel
+from jaxcomm import parallel
 from jaxcomm._compat import ensure_varying
 from jaxcomm.collectives import compressed_pmean, init_state
 from jaxcomm.compressors import Compressor, NoCompression
+from jaxcomm.state import per_device
 
 PyTree = Any
 
 
+@per_device  # its leaves are private to each device
 class DiLoCoLocal(NamedTuple):
     """DiLoCo's per-device leaves besides the parameters.
 
@@ -90,6 +92,7 @@ class DiLoCoLocal(NamedTuple):
     nonfinite: jax.Array
 
 
+@per_device(params=True)  # a DiLoCoState means the parameters are per device
 class DiLoCoState(NamedTuple):
     """State of :func:`diloco`. Everything but ``local`` and ``comm`` is replicated.
 
@@ -116,12 +119,6 @@ class DiLoCoState(NamedTuple):
     devices: jax.Array
     local: DiLoCoLocal
     comm: tuple
-
-
-# Per-device leaves live in DiLoCoLocal (and the comm ReduceStates); a DiLoCoState anywhere in
-# an optimizer state means the parameters are per device (jaxcomm.parallel's layout).
-_parallel.register_per_device_type(DiLoCoLocal)
-_parallel.register_per_device_type(DiLoCoState, params_per_device=True)
 
 
 def fragment_offsets(sync_every: int, fragments: int) -> tuple[int, ...]:
@@ -433,12 +430,12 @@ def diloco_params(opt_state: PyTree) -> PyTree:
 
 
 def resize_diloco_state(
-    state: _parallel.TrainState,
+    state: parallel.TrainState,
     compressor: Compressor | None,
     *,
     new_axis_size: int,
     bucket_bytes: int | None = None,
-) -> _parallel.TrainState:
+) -> parallel.TrainState:
     """A DiLoCo :class:`jaxcomm.TrainState` of ``n`` devices, converted for ``new_axis_size``.
 
     ``state`` is in :mod:`jaxcomm.parallel`'s global layout (per-device leaves stacked
@@ -486,7 +483,7 @@ def resize_diloco_state(
         state.opt_state,
         is_leaf=lambda x: isinstance(x, DiLoCoState),
     )
-    return _parallel.TrainState(jax.tree.map(regrid, state.params), opt_state)
+    return parallel.TrainState(jax.tree.map(regrid, state.params), opt_state)
 
 
 __all__ = [

@@ -38,8 +38,10 @@ from jaxcomm.optim._common import (
     varying,
     zeros_f32,
 )
+from jaxcomm.state import per_device
 
 
+@per_device
 class LocalState(NamedTuple):
     """0/1 Adam's per-device leaves (they differ between devices between synchronisations).
 
@@ -53,6 +55,7 @@ class LocalState(NamedTuple):
     u: PyTree
 
 
+@per_device(params=True)
 class ZeroOneAdamState(NamedTuple):
     """State of :func:`zero_one_adam`. Scalars are replicated int32/fp32.
 

@@ -219,15 +219,25 @@ def diloco(
       params)`` needs the local ``params`` and returns the change of the local parameters.
       Parameters are per device (:mod:`jaxcomm.parallel` stacks them).
 
-    Example::
+    Example (8 devices, e.g. ``JAX_NUM_CPU_DEVICES=8``)::
 
-        tx = jc.diloco(optax.adamw(4e-4), optax.sgd(0.7, momentum=0.9, nesterov=True),
-                       sync_every=50, axis_name="dp",
+        import jax, jax.numpy as jnp, numpy as np, optax
+        import jaxcomm as jc
+
+        mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+
+        def loss_fn(p, batch):
+            x, y = batch
+            return jnp.mean((x @ p["w"] - y) ** 2)
+
+        tx = jc.diloco(optax.adam(1e-2), optax.sgd(0.7, momentum=0.9, nesterov=True),
+                       sync_every=10, axis_name="dp",
                        compressor=jc.Quantize(bits=4, error_feedback=True))
-        step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
-        for batch in batches:
-            state, loss = step(state, batch)
-        model = jc.diloco_params(state.opt_state)   # theta, the outer parameters
+        step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, {"w": jnp.zeros((4, 1))})
+        x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+        for _ in range(30):  # 3 syncs
+            state, loss = step(state, (x, x @ np.ones((4, 1), np.float32)))
+        theta = jc.diloco_params(state.opt_state)  # the outer parameters: evaluate these
     """
     H = _check_int("sync_every", sync_every, 1)
     F = _check_int("fragments", fragments, 1)

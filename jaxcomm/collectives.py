@@ -52,7 +52,7 @@ def _reduce(tree, state, *, axis_name, compressor, bucket_bytes, mean, op: State
     leaves, treedef, buckets = plan_tree(tree, compressor, bucket_bytes)
     checked = check_state(state, compressor, buckets, axis_name, axis_size, op, bucket_bytes)
     scatter = op == "reduce_scatter"
-    probes = []
+    finites = []
 
     def one_bucket(bucket, bucket_state):
         comp = _EXACT if bucket.exact else compressor
@@ -68,13 +68,22 @@ def _reduce(tree, state, *, axis_name, compressor, bucket_bytes, mean, op: State
             out = buf[0] if scatter else jnp.zeros((0,), buf.dtype)
             out = _as_requested(out, comp, mean, axis_size)
         else:
-            run = comp.reduce_scatter_bucket if scatter else comp.all_reduce_bucket
-            out, bucket_state = run(
-                buf, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size
-            )
+            if bucket.exact or state is None or not jax.tree_util.tree_leaves(bucket_state):
+                run = comp.reduce_scatter_bucket if scatter else comp.all_reduce_bucket
+                out, bucket_state = run(
+                    buf, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size
+                )
+            else:  # each bucket guards its own state (no flag shared by all buckets)
+                run = (
+                    comp.guarded_reduce_scatter_bucket
+                    if scatter
+                    else comp.guarded_all_reduce_bucket
+                )
+                out, bucket_state, finite = run(
+                    buf, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size
+                )
+                finites.append(finite)
             out = _as_requested(out, comp, mean, axis_size)
-            if not bucket.exact:
-                probes.extend(comp.finite_probe(out, bucket_state))
         dtypes = [out.dtype] * len(bucket.leaf_ids) if bucket.exact else bucket.dtypes
         if scatter:
             pieces = layout.split_shard(out, bucket, axis_size)
@@ -82,7 +91,7 @@ def _reduce(tree, state, *, axis_name, compressor, bucket_bytes, mean, op: State
         return layout.unflatten_bucket(out, bucket, dtypes), bucket_state
 
     out, new_states = layout.map_buckets(one_bucket, buckets, len(leaves), checked.buckets)
-    return jax.tree_util.tree_unflatten(treedef, out), keep_finite(state, new_states, probes)
+    return jax.tree_util.tree_unflatten(treedef, out), keep_finite(state, new_states, finites)
 
 
 def compressed_psum(

@@ -8,9 +8,9 @@ the tree, the axis size and ``bucket_bytes``; :func:`check_state` refuses a stat
 anything else with an error naming the mismatch.
 
 Non-finite input. A NaN or Inf gradient makes the output non-finite (so loss scaling or
-skip-step logic sees it), but it never reaches the error feedback: :func:`keep_finite` keeps every
-bucket state at its previous (finite) value when a call's compressed output or new error state is
-not finite, and counts the call in the state's ``nonfinite`` counter (per device, int32 ``(1,)``).
+skip-step logic sees it), but it never reaches the error feedback: a bucket whose compressed
+output or new error state is not finite keeps its previous (finite) state, and the call is
+counted in the state's ``nonfinite`` counter (per device, int32 ``(1,)``); see :func:`keep_finite`.
 
 Per-device types. A state type whose leaves differ per device marks itself with
 :func:`per_device` where it is defined; :mod:`jaxcomm.parallel` asks :func:`is_per_device` and
@@ -217,24 +217,25 @@ def check_state(state, compressor, buckets, axis_name, axis_size, op: StateOp, b
 # -- the non-finite guard --------------------------------------------------------------------
 
 
-def keep_finite(state, new_states, probes):
-    """The new state, or the old one (counted in ``nonfinite``) if anything is not finite.
+def keep_finite(state, new_states, finites):
+    """The new state, with ``nonfinite`` counting the call if any bucket was not finite.
 
-    ``probes`` are the compressed buckets' finite probes (:meth:`Compressor.finite_probe`: a
-    bucket's output and new state, or a few elements that decide it, as OneBit's), so the check
-    does not cost extra passes over buffers that are memory-bound to produce. Under normal
-    propagation a non-finite input on any device makes the (replicated) all-reduce output
-    non-finite everywhere, so all devices keep their states together; a device whose own new
-    state is non-finite keeps its state even if the output happens to be finite (e.g. a NaN
-    that top-k did not pick).
+    Each compressed bucket has already kept its previous state when its own output or new
+    state was not finite (:meth:`Compressor.guarded_all_reduce_bucket`, decided from its
+    :meth:`Compressor.finite_probe` or, for OneBit, from the scales before the residuals are
+    written, so the guard costs no pass of its own); ``finites`` are those buckets' flags
+    (bool scalars). Buckets are guarded independently, so their chains stay independent: a
+    NaN in one bucket's leaves leaves the other buckets' error feedback moving. Under normal
+    propagation a non-finite input on any device makes that bucket's (replicated) all-reduce
+    output non-finite everywhere, so all devices keep that bucket's state together.
     """
     # A stateless call (state=None) returns None, so users can keep passing None.
     if state is None:
         return None
     new_states = tuple(new_states)
-    if not jax.tree_util.tree_leaves(state.buckets):
+    if not jax.tree_util.tree_leaves(state.buckets) or not finites:
         return type(state)(new_states, state.nonfinite)
-    checks = [jnp.all(jnp.isfinite(x)) for x in probes]
-    finite = jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True)
-    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_states, state.buckets)
-    return type(state)(kept, state.nonfinite + jnp.where(finite, 0, 1).astype(jnp.int32))
+    bad = jnp.bool_(False)
+    for finite in finites:
+        bad = bad | ~finite
+    return type(state)(new_states, state.nonfinite + bad.astype(jnp.int32))

@@ -129,3 +129,21 @@ def test_plot_says_where_it_ran_and_labels_sizes_as_the_cli_writes_them(tmp_path
     assert [bench.size_label(s) for s in (512, 4096, 1 << 16, 3 << 19, 1 << 30)] == [
         "512", "4K", "64K", "1.5M", "1G"
     ]
+
+
+def test_no_network_adds_a_compute_column():
+    """--no-network: each row also timed on one device alone (no link), shown as a column."""
+    config = bench.BenchConfig(
+        ops=("all_reduce", "reduce_scatter"),
+        compressors=("onebit",),
+        sizes=(16 << 10,),
+        repeats=2,
+        warmup=1,
+        no_network=True,
+    )
+    rows = bench.run_bench(config)
+    assert len(rows) == 2 and all(r.compute_s is not None and r.compute_s > 0 for r in rows)
+    header = bench.format_rows(rows).splitlines()[0].split("  ")
+    assert "compute (ms)" in [h.strip() for h in header]
+    plain = bench.format_rows([r._replace(compute_s=None) for r in rows])
+    assert "compute" not in plain.splitlines()[0]

@@ -106,6 +106,49 @@ class Compressor(abc.ABC):
         """:meth:`reduce_scatter` of a bucket in its ``scatter_layout``, knowing its leaves."""
         return self.reduce_scatter(rows, state, axis_name=axis_name, axis_size=axis_size)
 
+    # Guarded entry points: the non-finite guard of jaxcomm.collectives, one bucket at a time.
+    # Each returns ``(output, state, finite)``: ``state`` is the new state when ``finite`` (a
+    # bool scalar) is true, else the old one. Buckets are guarded independently: one flag shared
+    # by all buckets tied every bucket's state to every other bucket's output, and XLA copied
+    # the shared check into each bucket's fusions (compile time and memory grew with the square
+    # of the bucket count). The default decides from :meth:`finite_probe`; a compressor may
+    # decide earlier and fuse the choice into the pass that writes its state (OneBit).
+
+    def guarded_all_reduce_bucket(
+        self, flat: jax.Array, state: Any, bucket: Bucket, *, axis_name, axis_size
+    ) -> tuple[jax.Array, Any, jax.Array]:
+        """:meth:`all_reduce_bucket`, keeping ``state`` when its output or new state is not
+        finite."""
+        out, new = self.all_reduce_bucket(
+            flat, state, bucket, axis_name=axis_name, axis_size=axis_size
+        )
+        finite = probes_finite(self.finite_probe(out, new))
+        return out, keep_if(finite, new, state), finite
+
+    def guarded_reduce_scatter_bucket(
+        self, rows: jax.Array, state: Any, bucket: Bucket, *, axis_name, axis_size
+    ) -> tuple[jax.Array, Any, jax.Array]:
+        """:meth:`reduce_scatter_bucket`, keeping ``state`` when this device's row or new state
+        is not finite."""
+        row, new = self.reduce_scatter_bucket(
+            rows, state, bucket, axis_name=axis_name, axis_size=axis_size
+        )
+        finite = probes_finite(self.finite_probe(row, new))
+        return row, keep_if(finite, new, state), finite
+
+
+def probes_finite(probes) -> jax.Array:
+    """True iff every element of every array in ``probes`` is finite (bool scalar)."""
+    finite = jnp.bool_(True)
+    for x in probes:
+        finite = finite & jnp.all(jnp.isfinite(x))
+    return finite
+
+
+def keep_if(finite: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``finite``, else ``old``, leaf by leaf."""
+    return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+
 
 @dataclass(frozen=True)
 class NoCompression(Compressor):

@@ -13,7 +13,14 @@ sends. Columns, with ``S`` the message size (uncompressed bytes), ``t`` the medi
 ``wire/dev``    bytes each device sends per call, read from the compiled HLO
 ``wire GB/s``   ``wire/dev / t``: what the link actually carried
 ``error``       relative L2 error of one call against the exact collective (NumPy)
+``compute``     with ``--no-network``: the same op on this process's device alone (an axis of
+                size 1, so no link and no collective): the cost of compressing and
+                decompressing, to read against ``time``
 ==============  ===============================================================================
+
+Ops are timed the way a train step runs them: the error-feedback state is donated to each call
+and the returned state carried into the next (as ``jc.make_train_step`` does), so outputs reuse
+the state's buffers instead of fresh allocations.
 
 Sizes: ``S`` is the per-device buffer for all_reduce and all_to_all, the full (gathered or
 pre-scatter) buffer for all_gather and reduce_scatter (nccl-tests' convention), all fp32, rounded
@@ -194,6 +201,7 @@ class BenchConfig:
       bucket_bytes: passed to the collectives (``None``: one bucket).
       devices: simulated CPU devices in-process (ignored when a backend already exists).
       seed: data seed.
+      no_network: also time every row on one device alone (the ``compute`` column).
     """
 
     ops: tuple[str, ...] = OPS
@@ -204,6 +212,7 @@ class BenchConfig:
     bucket_bytes: int | None = None
     devices: int = 8
     seed: int = 0
+    no_network: bool = False
 
     def validate(self) -> BenchConfig:
         bad = [o for o in self.ops if o not in OPS]
@@ -232,6 +241,7 @@ class BenchRow(NamedTuple):
     wire_bw: float
     rel_error: float
     flags: str
+    compute_s: float | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,7 +268,7 @@ def _reference(op: str, data, n: int):
 
 
 def _build(op: str, comp, mesh, n: int, e: int, bucket_bytes: int | None):
-    """(jitted fn, local state or None) for ``op``; fn(x_global, state_global)."""
+    """(jitted fn, local state or None) for ``op``; fn(x_global, state_global), state donated."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -307,7 +317,8 @@ def _build(op: str, comp, mesh, n: int, e: int, bucket_bytes: int | None):
 
         specs = ((dp, dp), (dp, dp))
     fn = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=True)
+        jax.shard_map(body, mesh=mesh, in_specs=specs[0], out_specs=specs[1], check_vma=True),
+        donate_argnums=(1,),  # as a train step donates its error feedback
     )
     return fn, state
 
@@ -357,17 +368,12 @@ def _measure_rows(config: BenchConfig, mesh, to_global, barrier) -> list[dict]:
                     fn.lower(x, s).compile().as_text(),
                     requested_collectives(jax.make_jaxpr(fn)(x, s)),
                 )
-                out, _ = fn(x, s)
+                out, s = fn(x, s)
                 err = _rel_error(out, _reference(op, data, n))
-                for _ in range(config.warmup):
-                    barrier()
-                    jax.block_until_ready(fn(x, s))
-                times = []
-                for _ in range(config.repeats):
-                    barrier()
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fn(x, s))
-                    times.append(time.perf_counter() - t0)
+                times, s = _timed(fn, x, s, config, barrier)
+                compute = None
+                if config.no_network:
+                    compute = _compute_times(op, comp, n, e, data, config)
                 results.append(
                     dict(
                         op=op,
@@ -378,9 +384,51 @@ def _measure_rows(config: BenchConfig, mesh, to_global, barrier) -> list[dict]:
                         wire_bytes=report.wire_bytes,
                         rel_error=err,
                         flags="; ".join(f"{r.op} {r.dtype}: {r.flag}" for r in report.flagged),
+                        compute_times=compute,
                     )
                 )
     return results
+
+
+def _timed(fn, x, s, config: BenchConfig, barrier) -> tuple[list[float], object]:
+    """Per-repeat times of ``fn(x, s)`` after the warm-up, the state donated and carried."""
+    import jax
+
+    for _ in range(config.warmup):
+        barrier()
+        _, s = jax.block_until_ready(fn(x, s))
+    times = []
+    for _ in range(config.repeats):
+        barrier()
+        t0 = time.perf_counter()
+        _, s = jax.block_until_ready(fn(x, s))
+        times.append(time.perf_counter() - t0)
+    return times, s
+
+
+def _compute_times(op: str, comp, n: int, e: int, data, config: BenchConfig) -> list[float]:
+    """The row's op on this process's first device alone: compression, no link (``compute``).
+
+    The device's own input block (``e`` elements, as on ``n`` devices) over an axis of size 1.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType
+
+    mesh = jax.sharding.Mesh(
+        np.array(jax.local_devices()[:1]), ("dp",), axis_types=(AxisType.Auto,)
+    )
+    e1 = e // n if op == "all_gather" else e
+    fn, state = _build(op, comp, mesh, 1, e1, config.bucket_bytes)
+    device = jax.local_devices()[0]
+    x = jax.device_put(np.asarray(data[0][:e1]), device)
+    if state is None:
+        s = jax.device_put(np.zeros((1,), np.float32), device)
+    else:
+        s = jax.tree.map(lambda a: jax.device_put(np.asarray(a), device), state)
+    _, s = fn(x, s)
+    times, _ = _timed(fn, x, s, config, lambda: None)
+    return times
 
 
 def _rows(results: Sequence[dict]) -> list[BenchRow]:
@@ -401,6 +449,9 @@ def _rows(results: Sequence[dict]) -> list[BenchRow]:
                 wire_bw=r["wire_bytes"] / t,
                 rel_error=r["rel_error"],
                 flags=r["flags"],
+                compute_s=(
+                    statistics.median(r["compute_times"]) if r.get("compute_times") else None
+                ),
             )
         )
     return rows
@@ -518,7 +569,10 @@ def _multi_process(
         # A collective is done when its slowest participant is.
         times = [max(r["times"][i] for r in rows) for i in range(config.repeats)]
         err = math.sqrt(statistics.fmean(r["rel_error"] ** 2 for r in rows))
-        merged.append({**rows[0], "times": times, "rel_error": err})
+        compute = None
+        if rows[0].get("compute_times"):  # no link in between: the slower rank's compute
+            compute = [max(r["compute_times"][i] for r in rows) for i in range(config.repeats)]
+        merged.append({**rows[0], "times": times, "rel_error": err, "compute_times": compute})
     return _rows(merged)
 
 
@@ -561,6 +615,7 @@ _COLUMNS = (
     "compressor",
     "size",
     "time (ms)",
+    "compute (ms)",
     "algbw GB/s",
     "busbw GB/s",
     "wire/dev",
@@ -576,6 +631,7 @@ def _cells(r: BenchRow) -> tuple[str, ...]:
         r.compressor,
         _human_bytes(r.size_bytes),
         f"{r.median_s * 1e3:.3f}",
+        "-" if r.compute_s is None else f"{r.compute_s * 1e3:.3f}",
         _gbps(r.algbw),
         _gbps(r.busbw),
         _human_bytes(r.wire_bytes),
@@ -585,13 +641,24 @@ def _cells(r: BenchRow) -> tuple[str, ...]:
     )
 
 
+_COMPUTE = _COLUMNS.index("compute (ms)")
+
+
+def _shown(rows: Sequence[BenchRow], columns=_COLUMNS) -> list[int]:
+    """Column indices to show: ``compute`` only when measured (``--no-network``)."""
+    measured = any(r.compute_s is not None for r in rows)
+    return [i for i in range(len(columns)) if measured or i != _COMPUTE]
+
+
 def format_rows(rows: Sequence[BenchRow]) -> str:
     """Plain-text table of ``rows``."""
-    cells = [_COLUMNS] + [_cells(r) for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
+    keep = _shown(rows)
+    cells = [[row[i] for i in keep] for row in [_COLUMNS] + [_cells(r) for r in rows]]
+    left = {0, 1, len(keep) - 1}  # op, compressor, flags
+    widths = [max(len(c[i]) for c in cells) for i in range(len(keep))]
     return "\n".join(
         "  ".join(
-            c.ljust(w) if i < 2 or i == 9 else c.rjust(w)
+            c.ljust(w) if i in left else c.rjust(w)
             for i, (c, w) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         for row in cells
@@ -612,12 +679,16 @@ def print_rows(rows: Sequence[BenchRow], title: str, *, plain: bool = False) -> 
     from rich import box
 
     show_flags = any(r.flags for r in rows)
-    columns = _COLUMNS if show_flags else _COLUMNS[:-1]
+    keep = [i for i in _shown(rows) if show_flags or i != len(_COLUMNS) - 1]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-    for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i < 2 or i == 9 else "right", no_wrap=i < 9)
+    for i in keep:
+        flags = i == len(_COLUMNS) - 1
+        table.add_column(
+            _COLUMNS[i], justify="left" if i < 2 or flags else "right", no_wrap=not flags
+        )
     for r in rows:
-        table.add_row(*_cells(r)[: len(columns)], style="red" if r.flags else None)
+        cells = _cells(r)
+        table.add_row(*(cells[i] for i in keep), style="red" if r.flags else None)
     console = Console()
     if not console.is_terminal:  # pipes and logs: do not squeeze the table into 80 columns
         console = Console(width=160)
@@ -645,9 +716,7 @@ def plot_title(op: str, where: str | None) -> str:
     return f"{op}\n{where or 'in-process, no network'}"
 
 
-def plot_rows(
-    rows: Sequence[BenchRow], path: str, where: str | None = None
-) -> dict[str, list]:
+def plot_rows(rows: Sequence[BenchRow], path: str, where: str | None = None) -> dict[str, list]:
     """Effective bandwidth (algbw) against size, one line per compressor, one panel per op.
 
     ``where`` says how the ranks were connected (e.g. ``2 processes (gloo), 1gbit``); without

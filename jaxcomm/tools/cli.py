@@ -93,6 +93,11 @@ def _add_bench(sub) -> None:
     p.add_argument("--json", metavar="OUT", help="also write the rows as JSON")
     p.add_argument("--plot", metavar="PNG", help="plot algbw against size (needs matplotlib)")
     p.add_argument("--plain", action="store_true", help="plain-text table instead of rich")
+    p.add_argument(
+        "--no-network",
+        action="store_true",
+        help="also time each op on one device alone: a compute column (compression cost, no link)",
+    )
     p.set_defaults(run=_run_bench)
 
 
@@ -131,6 +136,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             bucket_bytes=args.bucket_bytes,
             devices=args.devices,
+            no_network=args.no_network,
         ).validate()
         rows = _bench_mod.run_bench(
             config, procs=args.procs, rate=args.rate, delay=args.delay, timeout=args.timeout
@@ -147,7 +153,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         where = f"{n} devices in one process"
     title = (
         f"jaxcomm bench: {where}; median of {config.repeats}; algbw = S/t (effective), "
-        "busbw per ds_bench, wire = bytes per device from HLO"
+        "busbw per ds_bench, wire = bytes per device from HLO; state donated and carried "
+        "from call to call, as in a train step"
     )
     _bench_mod.print_rows(rows, title, plain=args.plain)
     if args.json:

@@ -22,6 +22,8 @@ Which leaf is which is read from the optimizer state's types, the same registry
   zero-padded to ``n * c``, ``c = ceil(numel / n)``); they are joined, cut to ``numel`` and
   re-sliced for ``m``. Its other leaves (the inner step count) are the same on every device and
   are merged as below.
+* **DiLoCo** (a ``jc.DiLoCoState`` in the state): delegated to :func:`jaxcomm.resize_diloco_state`
+  (same rules: local copies averaged, error feedback through ``resize_state``).
 * **other per-device leaves** (0/1 Adam's ``LocalState`` momentum and accumulated local
   updates, DiLoCo's local state, your registered types) and **per-device parameters** (0/1
   Adam): **averaged** over the ``n`` devices (in float64; integer and bool leaves take the
@@ -45,7 +47,6 @@ Everything runs on the host, in NumPy.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -267,6 +268,17 @@ def _per_device(path, old, new_template, ctx: _Context, *, shards: bool = False)
     return jax.tree_util.tree_map_with_path(visit, old, new_template, is_leaf=is_node)
 
 
+def _contains(tree: PyTree, cls: type) -> bool:
+    found = []
+
+    def visit(node):
+        found.append(isinstance(node, cls))
+        return node
+
+    jax.tree.map(visit, tree, is_leaf=lambda x: isinstance(x, cls))
+    return any(found)
+
+
 def _infer_axis_size(state: TrainState) -> int | None:
     rows = []
 
@@ -352,16 +364,30 @@ def reshard_train_state(
     def visit(path, old, new):
         if _is_per_device(old):
             return _per_device(path, old, new, ctx)
+        if tuple(np.shape(old)) != tuple(new.shape):
+            raise ValueError(
+                f"jaxcomm: reshard_train_state: replicated leaf opt_state{_where(path)} has "
+                f"shape {np.shape(old)} on {n} devices but {tuple(new.shape)} on {m}: this "
+                "optimizer's state depends on the device count in a way only it knows (use its "
+                "own resize function, if it has one)"
+            )
         return np.asarray(old)
 
-    opt_state = jax.tree_util.tree_map_with_path(
-        visit, state.opt_state, new_t.opt_state, is_leaf=_is_per_device
-    )
-    if params_are_per_device(state.opt_state):
-        new_params = jax.tree.map(lambda p: _merge_rows(np.asarray(p), n, m), state.params)
+    import jaxcomm  # public names of optimizers that resize their own state
+
+    if _contains(state.opt_state, jaxcomm.DiLoCoState):
+        out = jaxcomm.resize_diloco_state(
+            state, compressor, new_axis_size=m, bucket_bytes=bucket_bytes
+        )
     else:
-        new_params = jax.tree.map(np.asarray, state.params)
-    out = TrainState(new_params, opt_state)
+        opt_state = jax.tree_util.tree_map_with_path(
+            visit, state.opt_state, new_t.opt_state, is_leaf=_is_per_device
+        )
+        if params_are_per_device(state.opt_state):
+            new_params = jax.tree.map(lambda p: _merge_rows(np.asarray(p), n, m), state.params)
+        else:
+            new_params = jax.tree.map(np.asarray, state.params)
+        out = TrainState(new_params, opt_state)
     if mesh is None:
         return out
     specs = train_state_specs(out, axis_name)
@@ -371,6 +397,3 @@ def reshard_train_state(
         specs,
         is_leaf=lambda x: isinstance(x, P),
     )
-
-
-__all__: Sequence[str] = ("reshard_train_state", "train_state_template")

@@ -290,3 +290,22 @@ def test_sharded_int8_with_master_shards_continues_on_3(tmp_path):
         got, want = np.asarray(final.params[key]), np.asarray(expected[key])
         moved = np.linalg.norm(want - params[key])
         assert np.linalg.norm(got - want) <= 0.05 * moved, (key, np.linalg.norm(got - want), moved)
+
+
+def test_diloco_state_is_resharded_through_its_own_resize():
+    params = init_params()
+    qz = jc.Quantize(bits=8, error_feedback=True)
+    tx = jc.diloco(optax.adam(0.02), optax.sgd(0.7, momentum=0.9), 2, "dp", compressor=qz)
+    state, _ = run(make_mesh(8), tx, params, batches(3))  # mid-interval: local copies differ
+    old = np.asarray(state.params["w1"], np.float64)
+    assert not np.allclose(old[0], old[1])
+    mesh = make_mesh(3)
+    out = jc.reshard_train_state(
+        state, tx, params, axis_name="dp", new_axis_size=3, compressor=qz, mesh=mesh
+    )
+    got = np.asarray(out.params["w1"])
+    assert got.shape == (3, *old.shape[1:])
+    for r in range(3):
+        np.testing.assert_allclose(got[r], old.mean(axis=0), rtol=1e-6, atol=1e-7)
+    _, losses = run(mesh, tx, params, batches(4, seed=7), out)
+    assert np.all(np.isfinite(losses))

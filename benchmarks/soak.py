@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -206,7 +207,7 @@ def drive(args) -> dict:
     if args.rate and network_shaping_problem(args.rate):
         print(f"soak: unshaped loopback ({network_shaping_problem(args.rate)})", file=sys.stderr)
         args.rate = None
-    base = Path(tempfile.mkdtemp(prefix="jaxcomm-soak-"))
+    base = Path(tempfile.mkdtemp(prefix="jaxcomm-soak-", dir=args.workdir))
     out = base / "run"
     t0 = time.monotonic()
     first = _launch(args, out, args.kill_at)
@@ -280,7 +281,10 @@ def drive(args) -> dict:
             problems.append("the resumed run's losses differ from the uninterrupted run's")
     result.pop("_losses")
     result["problems"] = problems
-    result["out_dir"] = str(base)
+    if problems or args.keep:
+        result["out_dir"] = str(base)  # checkpoints and step logs, to look at
+    else:
+        shutil.rmtree(base, ignore_errors=True)
     return result
 
 
@@ -294,6 +298,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--reference", action="store_true", help="also run uninterrupted, compare")
     p.add_argument("--json", default=None, help="also write the result to this file")
+    p.add_argument("--workdir", default=None, help="where the run directory goes (a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep checkpoints and logs after success")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

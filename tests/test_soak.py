@@ -18,7 +18,8 @@ def test_killed_and_resumed_soak_loses_no_step(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run(
         [sys.executable, str(SOAK), "--steps", "60", "--ckpt-every", "20", "--kill-at", "47",
-         "--freeze-step", "5", "--rate", "", "--reference", "--json", str(out)],
+         "--freeze-step", "5", "--rate", "", "--reference", "--json", str(out),
+         "--workdir", str(tmp_path)],
         env=_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -190,6 +190,10 @@ Every rank gets MASTER_ADDR=127.0.0.1, MASTER_PORT (a free port), RANK, WORLD_SI
 LOCAL_RANK and LOCAL_WORLD_SIZE, so `jc.init_distributed()` needs no arguments. Output lines
 are prefixed with "[rank r]". If a rank exits non-zero, the others are stopped (SIGTERM, then
 SIGKILL) and the launcher exits with that rank's code, naming it; Ctrl-C stops all ranks.
+The rank named is the first to fail by time. Hangs: with --heartbeat-timeout S, ranks whose
+peer stopped (SIGSTOP) or whose link went silent abort after about S to 2S seconds (JAX's
+heartbeats; gloo has no collective timeout), and a rank seen stopped is named as the cause;
+--hang-timeout S also ends a run whose rank stays stopped S seconds, without JAX's help.
 
 --rate (root) runs all ranks in one private network namespace whose loopback is shaped by
 tc tbf. --delay uses tc netem there when the kernel has it; otherwise (containers, gVisor)

@@ -47,6 +47,8 @@ def test_bench_refuses_bad_outputs_before_measuring(capsys, a_file):
     assert code == 2 and "jaxcomm bench: --plot:" in err and "is not a directory" in err
     code, err = _run(capsys, "bench", "--procs", "0")
     assert code == 2 and "--procs must be >= 1, got 0" in err
+    code, err = _run(capsys, "bench", "--devices", "0")
+    assert code == 2 and "--devices must be >= 2, got 0" in err
 
 
 def test_demo_refuses_bad_outputs_before_training(capsys, a_file):

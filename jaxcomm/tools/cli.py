@@ -112,6 +112,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     if args.procs is not None and args.procs < 1:  # 0 would silently run in-process
         print(f"jaxcomm bench: --procs must be >= 1, got {args.procs}", file=sys.stderr)
         return 2
+    if not args.procs and args.devices < 2:  # JAX's own error for 0: a process index
+        print(f"jaxcomm bench: --devices must be >= 2, got {args.devices}", file=sys.stderr)
+        return 2
     if args.plot:  # fail before measuring, not after
         try:
             import matplotlib  # noqa: F401

@@ -57,3 +57,14 @@ def test_demo_refuses_bad_outputs_before_training(capsys, a_file):
     code, err = _run(capsys, "demo", "--out", str(a_file.parent / "runs"), "--json",
                      str(a_file / "d.json"))  # fmt: skip
     assert code == 2 and "jaxcomm demo: --json:" in err
+
+
+@pytest.mark.parametrize(
+    "flag, value, want",
+    [("--steps", "0", ">= 1"), ("--devices", "0", ">= 1"), ("--batch", "0", ">= 1"),
+     ("--lr", "0", "> 0"), ("--warmup-fraction", "1.5", "in [0, 1]")],
+)  # fmt: skip
+def test_demo_refuses_bad_numbers_before_training(capsys, tmp_path, flag, value, want):
+    code, err = _run(capsys, "demo", "--out", str(tmp_path / "runs"), flag, value)
+    assert code == 2 and f"jaxcomm demo: {flag} must be {want}, got" in err, err
+    assert not (tmp_path / "runs").exists()

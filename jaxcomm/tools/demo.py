@@ -530,6 +530,17 @@ def main_from_args(args: argparse.Namespace) -> int:
         if problem:  # before training, not after minutes of it
             print(f"jaxcomm demo: {flag}: {problem}", file=sys.stderr)
             return 2
+    for flag, value, ok, want in (
+        ("--steps", args.steps, args.steps >= 1, ">= 1"),
+        ("--devices", args.devices, args.devices >= 1, ">= 1"),
+        ("--batch", args.batch, args.batch >= 1, ">= 1"),
+        ("--lr", args.lr, args.lr > 0, "> 0"),
+        ("--lamb-lr", args.lamb_lr, args.lamb_lr > 0, "> 0"),
+        ("--warmup-fraction", args.warmup_fraction, 0 <= args.warmup_fraction <= 1, "in [0, 1]"),
+    ):
+        if not ok:  # else a traceback from deep inside JAX, or an empty report
+            print(f"jaxcomm demo: {flag} must be {want}, got {value}", file=sys.stderr)
+            return 2
     problem = missing_extra(bool(plot_path))
     if problem:
         print(problem, file=sys.stderr)

@@ -14,8 +14,8 @@ and carried from step to step), one method after the other:
 * ``cmean_onebit``: ``optax.chain(jc.compressed_mean(axis, jc.OneBit()), optax.adam(lr))``;
 * ``onebit_adam``: ``jc.onebit_adam(freeze_step=2)`` timed after its freeze (compressed steps;
   the warm-up branch is compiled in, as in real use);
-* ``onebit_adam_nocond``: the same with ``freeze_step=0`` (only the compressed branch compiled):
-  the difference to ``onebit_adam`` is the cost of the ``lax.cond``;
+* ``onebit_adam_nocond``: the same with ``freeze_step=0`` (only the compressed branch compiled,
+  ``v`` set to ones): the difference to ``onebit_adam`` is the cost of the ``lax.cond``;
 * ``zero_one_adam``: ``jc.zero_one_adam(var_freeze_step=2, local_step_scaler=1,
   local_step_clipper=16)``: the sync interval doubles each frozen step up to 16, so a cycle is
   15 local steps (nothing sent) and one 1-bit synchronisation; the row is the mean step over a
@@ -350,6 +350,13 @@ def _worker(args: argparse.Namespace) -> None:
         else:
             tx = make_tx(name, "dp", args.bucket_bytes)
             step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+            if name == "onebit_adam_nocond":
+                # Compressed from the first step, v was never warmed up: give it ones so the
+                # steps stay finite (v = 0 makes m / eps huge, and denormals slow CPUs down).
+                opt = state.opt_state
+                like = jax.tree.map(lambda x: x.sharding, opt.nu)
+                ones = jax.jit(lambda t: jax.tree.map(jnp.ones_like, t), out_shardings=like)
+                state = state._replace(opt_state=opt._replace(nu=ones(opt.nu)))
             fn = step.lower(state, batch).compile()
             wire[name] = wire_bytes(fn.as_text())
             holder = {"state": state}

@@ -12,6 +12,7 @@ from jaxcomm.collectives import (
     init_state,
     shard_shapes,
 )
+from jaxcomm.comms_report import CommsReport, comms_report
 from jaxcomm.compressors import (
     Cast,
     Compressor,
@@ -36,7 +37,6 @@ from jaxcomm.hierarchical import (
     init_hierarchical_state,
     wire_bytes_by_axes,
 )
-from jaxcomm.hlo import CommsReport, comms_report
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
 from jaxcomm.optim.diloco import (
     DiLoCoLocal,

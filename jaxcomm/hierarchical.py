@@ -98,6 +98,22 @@ def hierarchical_psum(
 
     Equal to ``lax.psum(tree, (outer_axis, inner_axis))`` up to the outer compression; the
     result is identical on every device. ``state`` comes from :func:`init_hierarchical_state`.
+
+    Examples:
+      2 nodes of 4 devices (nested ``jax.vmap`` stands in for a ``("node", "local")`` mesh);
+      int8 across nodes, exact within a node:
+
+      >>> import jax, jax.numpy as jnp, jaxcomm as jc
+      >>> g = jnp.arange(2 * 4 * 8.0).reshape(2, 4, 8) / 64  # (node, local, elements)
+      >>> def step(x):
+      ...     out, _ = jc.hierarchical_psum(
+      ...         x, None, inner_axis="local", outer_axis="node", compressor=jc.Quantize()
+      ...     )
+      ...     return out
+      >>> total = jax.vmap(jax.vmap(step, axis_name="local"), axis_name="node")(g)
+      >>> exact = g.sum((0, 1))  # what lax.psum over both axes gives
+      >>> bool(jnp.abs(total[0, 0] - exact).max() < 0.02 * jnp.abs(exact).max())  # int8 rounding
+      True
     """
     return _hierarchical(
         tree,

@@ -189,7 +189,7 @@ def test_comms_report_flags_what_xla_widened(mesh):
 
 
 def test_report_from_hlo_rules():
-    from jaxcomm.hlo import report_from_hlo
+    from jaxcomm.comms_report import report_from_hlo
 
     def line(dtype, numel):
         return (

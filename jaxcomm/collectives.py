@@ -26,7 +26,7 @@ from jaxcomm.compressors import Compressor, NoCompression
 from jaxcomm.state import ReduceState as ReduceState
 from jaxcomm.state import ScatterState as ScatterState
 from jaxcomm.state import StateOp as StateOp
-from jaxcomm.state import check_state, keep_finite, plan_tree
+from jaxcomm.state import as_local_block, check_state, keep_finite, plan_tree
 from jaxcomm.state import init_state as init_state
 
 PyTree = Any
@@ -50,6 +50,7 @@ def _reduce(tree, state, axis_name, compressor, bucket_bytes, *, mean: bool, op:
     """All-reduce (concatenated layout) or reduce-scatter (rank-major rows) of every bucket."""
     axis_size = bound_axis_size(axis_name)
     leaves, treedef, buckets = plan_tree(tree, compressor, bucket_bytes)
+    state, restore = as_local_block(state, compressor, buckets, axis_size, op)
     checked = check_state(state, compressor, buckets, axis_name, axis_size, op, bucket_bytes)
     scatter = op == "reduce_scatter"
     finites = []
@@ -91,7 +92,8 @@ def _reduce(tree, state, axis_name, compressor, bucket_bytes, *, mean: bool, op:
         return layout.unflatten_bucket(out, bucket, dtypes), bucket_state
 
     out, new_states = layout.map_buckets(one_bucket, buckets, len(leaves), checked.buckets)
-    return jax.tree_util.tree_unflatten(treedef, out), keep_finite(state, new_states, finites)
+    kept = restore(keep_finite(state, new_states, finites))
+    return jax.tree_util.tree_unflatten(treedef, out), kept
 
 
 def compressed_psum(

@@ -345,15 +345,19 @@ def _select_backend(backend: str) -> str:
 
 def _current_info(backend: str) -> DistributedInfo:
     """Info for an already initialized ``jax.distributed``, read without starting a backend."""
-    from jax._src import distributed as _dist
+    try:  # private (jax 0.8-0.10): the only place that does not start a backend
+        from jax._src import distributed as _dist
 
-    state = _dist.global_state
-    return DistributedInfo(
-        process_id=int(state.process_id),
-        num_processes=int(state.num_processes),
-        coordinator_address=state.coordinator_address,
-        backend=backend,
-    )
+        state = _dist.global_state
+        return DistributedInfo(
+            process_id=int(state.process_id),
+            num_processes=int(state.num_processes),
+            coordinator_address=state.coordinator_address,
+            backend=backend,
+        )
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a newer JAX layout
+        # The public calls start the backend, which is allowed once jax.distributed is up.
+        return DistributedInfo(jax.process_index(), jax.process_count(), None, backend)
 
 
 def init_distributed(

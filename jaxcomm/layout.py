@@ -82,13 +82,19 @@ def is_exact_dtype(dtype) -> bool:
     return not jnp.issubdtype(dtype, jnp.inexact)
 
 
-def check_leaves(leaves: Sequence) -> None:
-    """Reject leaves jaxcomm cannot reduce, naming the offending one."""
+def check_leaves(leaves: Sequence, names: Sequence[str] | None = None) -> None:
+    """Reject leaves jaxcomm cannot reduce, naming the offending one (by ``names[i]``, its path
+    in the tree, when given; else by its index)."""
     for i, leaf in enumerate(leaves):
+        name = names[i] if names is not None else str(i)
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            raise TypeError(f"jaxcomm: leaf {i} is {type(leaf).__name__}, expected an array")
+            number = isinstance(leaf, int | float)
+            hint = " (wrap Python numbers with jnp.asarray)" if number else ""
+            raise TypeError(
+                f"jaxcomm: leaf {name} is {type(leaf).__name__}, expected an array{hint}"
+            )
         if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-            raise TypeError(f"jaxcomm: leaf {i} has complex dtype {leaf.dtype}, not supported")
+            raise TypeError(f"jaxcomm: leaf {name} has complex dtype {leaf.dtype}, not supported")
 
 
 def plan_buckets(

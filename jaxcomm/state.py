@@ -1,11 +1,15 @@
 """Error-feedback state of the collectives: its types, construction, validation, the guard.
 
-State. :func:`init_state` builds one device's error-feedback state for its local tree. Every state
-leaf is a rank >= 1 array private to its device, so a whole state passes through ``shard_map``
-with ``in_specs``/``out_specs`` ``P(axis_name)`` (globally: the per-device states concatenated
-along axis 0) or through ``pmap`` stacked on a leading axis. The state's bucket layout depends on
-the tree, the axis size and ``bucket_bytes``; :func:`check_state` refuses a state built for
-anything else with an error naming the mismatch.
+State. :func:`init_state` builds one device's error-feedback state for its local tree. The global
+layout, the same for ``shard_map``, ``pmap`` and the optimizers' states
+(:mod:`jaxcomm.parallel`), stacks the devices' states on a new leading axis: every leaf is
+``(n, *local_shape)``, built from one device's state by ``jc.stack_per_device(state, n)``, and
+passed with ``in_specs``/``out_specs`` ``P(axis_name)`` (``pmap``: leading axis mapped). Inside
+``shard_map`` a collective then receives ``(1, *local_shape)`` blocks and returns the new state
+in the same shape (:func:`as_local_block`). Because every local leaf has rank >= 1, the older
+layout (the per-device states concatenated along axis 0) is accepted as well. The state's bucket
+layout depends on the tree, the axis size and ``bucket_bytes``; :func:`check_state` refuses a
+state built for anything else in one sentence naming the mismatch.
 
 Non-finite input. A NaN or Inf gradient makes the output non-finite (so loss scaling or
 skip-step logic sees it), but it never reaches the error feedback: a bucket whose compressed
@@ -26,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm.compressors import Compressor
-from jaxcomm.layout import Bucket, plan_buckets
+from jaxcomm.layout import Bucket, check_leaves, plan_buckets
 
 PyTree = Any
 StateOp = Literal["all_reduce", "reduce_scatter"]
@@ -116,9 +120,14 @@ def check_compressor(compressor: Any) -> Compressor:
 
 
 def plan_tree(tree: PyTree, compressor: Compressor, bucket_bytes: int | None):
-    """``(leaves, treedef, buckets)`` of ``tree`` for ``compressor`` (static, at trace time)."""
+    """``(leaves, treedef, buckets)`` of ``tree`` for ``compressor`` (static, at trace time).
+
+    A leaf jaxcomm cannot reduce is named by its path in ``tree`` (``['enc']['scale']``).
+    """
     check_compressor(compressor)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in with_paths]
+    check_leaves(leaves, [jax.tree_util.keystr(path) or "(the root)" for path, _ in with_paths])
     return leaves, treedef, plan_buckets(leaves, bucket_bytes, compressor.compute_dtype)
 
 
@@ -189,29 +198,104 @@ def check_state(state, compressor, buckets, axis_name, axis_size, op: StateOp, b
             f"jaxcomm: this state was built for {other[type(state)]!r} collectives; build one with "
             f"jc.init_state(compressor, tree, axis_size=n, op={op!r})"
         )
-    context = (
-        f"(this call: {len(buckets)} bucket(s), axis {axis_name!r} of size {axis_size}, "
-        f"bucket_bytes={bucket_bytes}, compressor {compressor!r}). Was the state built for another "
-        "tree, axis size, bucket_bytes or compressor?"
+    build = (
+        f"jc.init_state(compressor, tree, axis_size={axis_size}, bucket_bytes={bucket_bytes}"
+        + (f", op={op!r})" if op != "all_reduce" else ")")
     )
-    got_struct = jax.tree_util.tree_structure(state)
-    want_struct = jax.tree_util.tree_structure(expected)
-    if got_struct != want_struct:
-        raise ValueError(
-            f"jaxcomm: state structure {got_struct} does not match the expected {want_struct} "
-            + context
-        )
+    if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(expected):
+        raise ValueError(_structure_mismatch(state, expected, compressor, bucket_bytes, build))
     for path_got, want in zip(
         jax.tree_util.tree_leaves_with_path(state), jax.tree_util.tree_leaves(expected), strict=True
     ):
         path, got = path_got
         if tuple(got.shape) != tuple(want.shape) or np.dtype(got.dtype) != np.dtype(want.dtype):
+            hint = "Was the state built for another tree, axis size or compressor? Build it with "
+            hint += build + "."
+            if _all_devices_states(state, expected, axis_size):
+                # Every device sees all n devices' states: passed with P() instead of P(axis).
+                hint = (
+                    f"It holds all {axis_size} devices' states: pass the global state "
+                    f"(jc.stack_per_device(state, {axis_size})) with in_specs and out_specs "
+                    f"P({axis_name!r}), so that each device receives its own."
+                )
             raise ValueError(
                 f"jaxcomm: state leaf {jax.tree_util.keystr(path)} has per-device shape "
-                f"{tuple(got.shape)} {np.dtype(got.dtype)}, expected {tuple(want.shape)} "
-                f"{np.dtype(want.dtype)} " + context
+                f"{tuple(got.shape)} {np.dtype(got.dtype)}, this call (axis {axis_name!r} of "
+                f"size {axis_size}, {compressor!r}) needs {tuple(want.shape)} "
+                f"{np.dtype(want.dtype)}. {hint}"
             )
     return state
+
+
+def _all_devices_states(state, expected, axis_size: int) -> bool:
+    """Every leaf is ``axis_size`` local leaves concatenated: the global state passed as P()."""
+    return all(
+        len(g.shape) == len(w.shape) >= 1
+        and g.shape[0] == axis_size * w.shape[0]
+        and tuple(g.shape[1:]) == tuple(w.shape[1:])
+        for g, w in zip(
+            jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(expected), strict=True
+        )
+    )
+
+
+def _kind(node) -> str:
+    """A short name for a state node: its type, or what it holds."""
+    if isinstance(node, tuple) and not hasattr(node, "_fields"):
+        return "no state" if not node else f"a tuple of {len(node)}"
+    return type(node).__name__
+
+
+def _structure_mismatch(state, expected, compressor, bucket_bytes, build: str) -> str:
+    """One sentence on how ``state`` differs from the state this call needs (no tree dumps)."""
+    if state is None:
+        return (
+            f"jaxcomm: this call needs a state (compressor {compressor!r} keeps error feedback): "
+            f"pass the {type(expected).__name__} built by {build}, got None"
+        )
+    if not isinstance(state, ReduceState | ScatterState):
+        return (
+            f"jaxcomm: the state must be the {type(expected).__name__} built by {build}, got "
+            f"{_kind(state)}"
+        )
+    got, want = len(state.buckets), len(expected.buckets)
+    if got != want:
+        return (
+            f"jaxcomm: the state has {got} bucket{'s' if got != 1 else ''}, this call has {want} "
+            f"(bucket_bytes={bucket_bytes}): build the state with the same bucket_bytes, "
+            f"{build}."
+        )
+    for i, (g, w) in enumerate(zip(state.buckets, expected.buckets, strict=True)):
+        if jax.tree_util.tree_structure(g) != jax.tree_util.tree_structure(w):
+            return (
+                f"jaxcomm: bucket {i} of the state holds {_kind(g)}, but this call's compressor "
+                f"{compressor!r} needs {_kind(w)}: build the state with the same compressor "
+                f"(and tree), {build}."
+            )
+    return (
+        f"jaxcomm: the state's non-finite counter is {_kind(state.nonfinite)}, this call needs "
+        f"{_kind(expected.nonfinite)}: build the state with {build}."
+    )
+
+
+def as_local_block(state, compressor, buckets, axis_size: int, op: StateOp):
+    """``(this device's state, restore)`` for a state in the stacked global layout.
+
+    Under ``shard_map`` with ``P(axis)`` a state stacked ``(n, *local)`` (``jc.stack_per_device``)
+    arrives as ``(1, *local)`` blocks: they are squeezed here and ``restore`` puts the leading
+    axis back on the new state. Any other state (local shapes: ``pmap``, or the concatenated
+    layout; or one that does not fit, which :func:`check_state` then refuses) passes unchanged.
+    """
+    leaves = jax.tree_util.tree_leaves(state)
+    if not leaves:
+        return state, lambda s: s
+    expected = jax.eval_shape(lambda: new_state(compressor, buckets, axis_size, op))
+    want = jax.tree_util.tree_leaves(expected)
+    if jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(expected) and all(
+        tuple(np.shape(g)) == (1, *w.shape) for g, w in zip(leaves, want, strict=True)
+    ):
+        return jax.tree.map(lambda x: x[0], state), lambda s: jax.tree.map(lambda x: x[None], s)
+    return state, lambda s: s
 
 
 # -- the non-finite guard --------------------------------------------------------------------

@@ -143,3 +143,15 @@ def test_demo_command_json_on_stdout_report_on_stderr_files_in_out(tmp_path, cap
     assert json.loads((out / "demo.json").read_text()) == doc
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "held-out loss" in captured.err and "traffic vs Adam" in captured.err
+
+
+def test_markdown_table_for_the_readme_comes_from_the_json(runs):
+    rows = list(rows_of(runs).values())
+    doc = json.loads(json.dumps(demo_report.json_safe(dict(rows=rows))))
+    lines = demo_report.markdown_table(doc).splitlines()
+    assert len(lines) == 2 + len(rows)
+    adam, cm, onebit, _ = lines[2:]
+    assert adam.startswith("| Adam, exact `pmean` | 2.0847 |  | 50.0% | 120.0 MB | 1x |")
+    assert f"| {100 * rows[1]['loss_vs_adam']:+.1f}% |" in cm
+    assert f"| {rows[1]['traffic_ratio']:.1f}x less |" in cm
+    assert "| nan | diverged at step 30 |" in onebit and "less" not in onebit

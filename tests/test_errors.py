@@ -68,7 +68,7 @@ def test_scatter_state_for_all_reduce(mesh):
 
 def test_missing_state_for_a_stateful_compressor(mesh):
     state = jc.init_state(jc.OneBit(), {"g": jnp.zeros(64)}, axis_size=N)
-    with pytest.raises(ValueError, match="state structure"):
+    with pytest.raises(ValueError, match="this call needs a state"):
         run(mesh, lambda t, s: (pmean(t, None)[0], s), stacked(64), global_state(state))
 
 

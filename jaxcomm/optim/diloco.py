@@ -455,8 +455,10 @@ def resize_diloco_state(
     maximum), as if the interval's local progress were averaged without an outer step;
     ``theta``, the outer
     states and any in-flight outer gradient are replicated and kept. The error feedback of
-    every fragment goes through :func:`jaxcomm.resize_state`, which preserves its pending sum.
-    Runs on the host (NumPy). ``compressor`` and ``bucket_bytes`` as given to :func:`diloco`.
+    every fragment goes through :func:`jaxcomm.resize_state` and is scaled by ``m / n``: the
+    untransmitted part of the *mean* outer gradient, ``T / n`` (``T`` the pending sum), is kept,
+    as :func:`jaxcomm.reshard_train_state` does. Runs on the host (NumPy). ``compressor``
+    and ``bucket_bytes`` as given to :func:`diloco`.
     """
     from jaxcomm.resize import resize_state  # host-side tool; keep it off the import path
 
@@ -472,17 +474,23 @@ def resize_diloco_state(
 
     theta_leaves = jax.tree.leaves(old.outer_params)
     groups = fragment_leaves(len(theta_leaves), len(old.comm))
-    comm = tuple(
-        resize_state(
-            c,
-            compressor,
-            [theta_leaves[i] for i in ids],
-            axis_size=n,
-            new_axis_size=m,
-            bucket_bytes=bucket_bytes,
+    comm = []
+    for c, ids in zip(old.comm, groups, strict=True):
+        tree = [theta_leaves[i] for i in ids]
+        c = resize_state(
+            c, compressor, tree, axis_size=n, new_axis_size=m, bucket_bytes=bucket_bytes
         )
-        for c, ids in zip(old.comm, groups, strict=True)
-    )
+        # resize_state keeps the pending sum T; the outer gradient is a mean, so keep its
+        # pending share T / n instead: T -> T m / n (the state is linear in T).
+        comm.append(
+            jax.tree.map(
+                lambda x: (
+                    (x * (m / n)).astype(x.dtype) if np.issubdtype(x.dtype, np.floating) else x
+                ),
+                c,
+            )
+        )
+    comm = tuple(comm)
     new = old._replace(
         devices=np.zeros((m,), np.int8),
         local=jax.tree.map(regrid, old.local),

@@ -26,7 +26,7 @@ and carried from step to step), one method after the other:
 
 Models (``--model``): ``mlp``, ``--layers`` x (``--width`` x ``--width`` + bias), 16.8M fp32
 parameters (64 MiB) by default, batch 16 per process; ``transformer``, a pre-LN decoder of the
-same size class (d 512, 4 layers, vocabulary 4096, 16.8M parameters in 70 leaves), batch 4 x 64
+same size class (d 512, 4 layers, vocabulary 4096, 16.8M parameters in 69 leaves), batch 4 x 64
 tokens per process, every method run with ``--bucket-bytes`` (default 4 MiB for it).
 
 Timing: 2 warm-up steps per method (0/1 Adam: until its interval reached 16 and a cycle ended),
@@ -178,7 +178,7 @@ TRANSFORMER = dict(d=512, layers=4, vocab=4096, seq=64, heads=8)
 
 
 def make_transformer(args, rank: int):
-    """A pre-LN decoder-only transformer, separate q/k/v/o and MLP leaves (70 leaves)."""
+    """A pre-LN decoder-only transformer, separate q/k/v/o and MLP leaves (69 leaves)."""
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -53,6 +53,10 @@ class OnebitAdamModel:
     ``v = b2 v + (1-b2) g^2``. Compression: ``m_r = b1 m + (1-b1) g_r``; ``m = 1bit-mean(m_r)``;
     ``v`` frozen. Then ``p -= lr * (m / (sqrt(v) + eps) + wd * p)``. DeepSpeed applies no bias
     correction; with ``bias_correction`` ``m / (1 - b1^t)`` and ``v / (1 - b2^min(t, freeze))``.
+
+    jaxcomm's safe defaults (not DeepSpeed's): after the freeze, with ``variance_floor = f``, the
+    denominator of each leaf (``leaf_sizes`` splits the flat vector) is ``max(sqrt(v), f *
+    sqrt(mean_leaf(v))) + eps``; ``mask`` (flat, 0/1) multiplies the 1-bit mean momentum.
     """
 
     def __init__(
@@ -68,9 +72,14 @@ class OnebitAdamModel:
         freeze_step=100000,
         bias_correction=False,
         bucket_sizes: Sequence[int] | None = None,
+        variance_floor: float | None = None,
+        leaf_sizes: Sequence[int] | None = None,
+        mask: np.ndarray | None = None,
     ):
         self.n = n
         self.p = np.asarray(params, np.float64).copy()
+        self.floor, self.mask = variance_floor, mask
+        self.leaf_sizes = list(leaf_sizes or [self.p.size])
         self.m = np.zeros_like(self.p)
         self.v = np.zeros_like(self.p)
         self.t = 0
@@ -91,11 +100,21 @@ class OnebitAdamModel:
         else:
             local = self.b1 * self.m[None] + (1 - self.b1) * grads
             self.m = self.onebit.mean(local)
+            if self.mask is not None:
+                self.m = self.m * self.mask
         m, v = self.m, self.v
         if self.bias_correction:
             m = m / (1 - self.b1**self.t)
             v = v / (1 - self.b2 ** max(min(self.t, self.freeze_step), 1))
-        update = m / (np.sqrt(v) + self.eps) + self.wd * self.p
+        root = np.sqrt(v)
+        if self.floor and self.t > self.freeze_step:
+            parts, start = [], 0
+            for size in self.leaf_sizes:
+                leaf = v[start : start + size]
+                parts.append(np.maximum(np.sqrt(leaf), self.floor * np.sqrt(leaf.mean())))
+                start += size
+            root = np.concatenate(parts)
+        update = m / (root + self.eps) + self.wd * self.p
         self.p = self.p - lr * update
         return self.p
 

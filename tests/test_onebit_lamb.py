@@ -100,7 +100,14 @@ def test_onebit_lamb_matches_deepspeed_model(case):
     kw, bucket_bytes, events = CASES[case]
     lr = optax.linear_schedule(0.02, 0.01, len(GRAD_SCALE))
     steps = grad_steps(GRAD_SCALE)
-    tx = jc.onebit_lamb(lr, freeze_step=FREEZE, axis_name="dp", bucket_bytes=bucket_bytes, **kw)
+    tx = jc.onebit_lamb(
+        lr,
+        freeze_step=FREEZE,
+        axis_name="dp",
+        bucket_bytes=bucket_bytes,
+        deepspeed_compat=True,
+        **kw,
+    )
     history, state = run(tx, steps)
     params = init_params()
     model = OnebitLambModel(

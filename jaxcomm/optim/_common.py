@@ -156,3 +156,71 @@ def unzip(out: PyTree, like: PyTree, k: int = 2) -> tuple:
     treedef = jax.tree.structure(like)
     rows = treedef.flatten_up_to(out)
     return tuple(treedef.unflatten([row[i] for row in rows]) for i in range(k))
+
+
+# --------------------------------------------------------------------------------------------
+# Frozen variance: damping of (near) zero-variance coordinates
+
+
+def damped_denominator(v: jax.Array, eps: jax.Array, floor: float | None) -> jax.Array:
+    """``max(sqrt(v), floor * rms) + eps`` with ``rms = sqrt(mean(v))`` over the leaf.
+
+    The rule of the 1-bit optimizers after their variance freeze: a coordinate whose frozen
+    ``sqrt(v)`` is below ``floor`` times the leaf's root-mean variance (an embedding row of a
+    byte never or rarely seen during the warm-up, the key part of an attention bias) is divided
+    by that floor instead of by ``~eps``: 1-bit compression hands it a non-zero momentum (a
+    bucket scale times a sign), which would otherwise become a ``m / eps`` step. ``floor=None``
+    (or 0): ``sqrt(v) + eps``, DeepSpeed's rule.
+    """
+    root = jnp.sqrt(v)
+    if floor is None or is_static_zero(floor) or v.size == 0:
+        return root + eps
+    rms = jnp.sqrt(jnp.mean(v))
+    return jnp.maximum(root, jnp.asarray(floor, v.dtype) * rms) + eps
+
+
+def apply_mask(tree: PyTree, mask: PyTree | None) -> PyTree:
+    """``tree * mask`` leaf by leaf (DeepSpeed's ``exp_avg_mask``); ``mask=None``: ``tree``."""
+    if mask is None:
+        return tree
+    return jax.tree.map(lambda x, k: x * jnp.asarray(k, x.dtype), tree, mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Non-finite steps
+
+
+def all_finite(*trees: PyTree) -> jax.Array:
+    """One bool scalar: every element of every leaf is finite."""
+    leaves = [x for t in trees for x in jax.tree.leaves(t)]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def keep_if(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+    """``new`` where ``ok`` (a bool scalar), else ``old``, leaf by leaf."""
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def check_skips(skipped: jax.Array, limit: int | None, name: str) -> None:
+    """Raise at run time (``FloatingPointError`` inside a ``JaxRuntimeError``) once ``skipped``
+    consecutive non-finite steps exceed ``limit`` (``None``: never, and no host callback: the
+    check is one ``jax.debug.callback`` per step)."""
+    if limit is None:
+        return
+
+    def check(n, cap):
+        n, cap = int(np.max(np.asarray(n))), int(np.min(np.asarray(cap)))
+        if n > cap:
+            raise FloatingPointError(
+                f"jaxcomm: {name} skipped {n} consecutive steps whose gradients, mean or update "
+                f"were not finite (max_consecutive_skips={cap}): the run is diverging or its "
+                "data is bad; lower the learning rate, check the inputs, or resume from a "
+                "checkpoint"
+            )
+
+    # An unconditional callback that checks on the host: under vmap a lax.cond on a batched
+    # predicate runs both branches, so a callback inside it would always fire. The limit is an
+    # argument, not a closure: optax.inject_hyperparams traces it.
+    jax.debug.callback(check, skipped, limit)

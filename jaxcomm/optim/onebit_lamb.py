@@ -20,13 +20,17 @@ from jaxcomm.collectives import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit
 from jaxcomm.optim._common import (
     PyTree,
+    all_finite,
     cast_like,
     check_compressor,
+    check_skips,
     check_static_range,
     compressed_mean_call,
+    damped_denominator,
     ema,
     exact_mean,
     f32,
+    keep_if,
     learning_rate_at,
     norm,
     resolve_axis_size,
@@ -52,6 +56,8 @@ class OneBitLambState(NamedTuple):
       scaling_coeff: per leaf, an fp32 scalar: the momentum scaling coefficient, 1 until the
         first compression update computes it.
       comm: error feedback of the 1-bit momentum all-reduce (per-device ``jc.ReduceState``).
+      skipped: consecutive updates skipped because they were not finite (int32).
+      skipped_total: all updates skipped so far (int32).
     """
 
     count: jax.Array
@@ -62,6 +68,8 @@ class OneBitLambState(NamedTuple):
     last_factor: PyTree
     scaling_coeff: PyTree
     comm: ReduceState
+    skipped: jax.Array
+    skipped_total: jax.Array
 
 
 def onebit_lamb(
@@ -82,6 +90,9 @@ def onebit_lamb(
     compressor: Compressor | None = None,
     bucket_bytes: int | None = None,
     axis_size: int | None = None,
+    variance_floor: float | None = 0.1,
+    deepspeed_compat: bool = False,
+    max_consecutive_skips: int | None = 16,
 ) -> optax.GradientTransformation:
     """DeepSpeed's 1-bit LAMB (``OnebitLamb``) as an optax transformation over local gradients.
 
@@ -129,6 +140,13 @@ def onebit_lamb(
     the padding is zero at every step (DeepSpeed's fused buffer keeps its padding tail between
     steps, so the tail carries the previous step's 1-bit output into the next scales).
 
+    Safe defaults (``deepspeed_compat=True``: DeepSpeed's rules exactly, tested): after the
+    switch the denominator ``sqrt(v) + eps`` of the update and of the correction factor is
+    floored as in :func:`jaxcomm.onebit_adam` (``variance_floor``: coordinates whose frozen
+    variance is ~0 would otherwise take ``m / eps`` steps); a non-finite step is skipped
+    (state kept, ``skipped``/``skipped_total`` count it; more than ``max_consecutive_skips``
+    in a row raise).
+
     Args:
       learning_rate: a float or an optax schedule of the step count.
       b1, b2, eps, weight_decay: as DeepSpeed's ``OnebitLamb`` (``weight_decay`` is L2 added to
@@ -151,6 +169,7 @@ def onebit_lamb(
     """
     compressor = OneBit() if compressor is None else compressor
     check_compressor(compressor)
+    floor = None if deepspeed_compat else variance_floor
     bucket_bytes = static_bucket_bytes(bucket_bytes)
     static_freeze = static_int(freeze_step)
     if static_freeze is not None and static_freeze < 1:
@@ -190,6 +209,8 @@ def onebit_lamb(
             last_factor=scalars(1.0),
             scaling_coeff=scalars(1.0),
             comm=comm,
+            skipped=jnp.zeros([], jnp.int32),
+            skipped_total=jnp.zeros([], jnp.int32),
         )
 
     def update_fn(updates, state, params=None):
@@ -205,9 +226,10 @@ def onebit_lamb(
         lr = learning_rate_at(learning_rate, state.count)
         t = optax.safe_increment(state.count)
 
-        def lamb_update(m, v, p):
-            """(m / (sqrt(v) + eps), the same plus weight decay, sqrt(v) + eps) of one leaf."""
-            denom = jnp.sqrt(v) + eps_
+        def lamb_update(m, v, p, damped=False):
+            """(m / (sqrt(v) + eps), the same plus weight decay, sqrt(v) + eps) of one leaf;
+            ``damped``: the frozen variance's denominator, floored (``variance_floor``)."""
+            denom = damped_denominator(v, eps_, floor) if damped else jnp.sqrt(v) + eps_
             prelim = m / denom
             return prelim, prelim + wd * p, denom
 
@@ -243,7 +265,7 @@ def onebit_lamb(
             def leaf(m, m_last, v, vf, p, cf, last):
                 g_rec = (m - b1_ * m_last) / (1 - b1_)
                 vf = b2_ * vf + (1 - b2_) * jnp.square(g_rec)
-                prelim, update, denom = lamb_update(m, v, p)
+                prelim, update, denom = lamb_update(m, v, p, damped=True)
                 u_norm = norm(update)
                 factor = jnp.max(denom / (jnp.sqrt(vf) + eps_), initial=0.0)
                 ratio = jnp.where(
@@ -274,7 +296,12 @@ def onebit_lamb(
         mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta = lax.cond(
             state.count < freeze_step, warm, compress, *args
         )
-        new_state = OneBitLambState(
+        # A non-finite step (NaN/Inf in any device's gradient reaches the mean) is skipped:
+        # moments, coefficients and factors stay, the collectives' guard kept the error feedback.
+        ok = all_finite(mu, nu, nu_fresh, delta)
+        skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
+        check_skips(skipped, max_consecutive_skips, "onebit_lamb")
+        candidate = OneBitLambState(
             count=t,
             mu=mu,
             nu=nu,
@@ -283,7 +310,14 @@ def onebit_lamb(
             last_factor=last_factor,
             scaling_coeff=scaling,
             comm=comm,
+            skipped=skipped,
+            skipped_total=state.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32),
         )
+        old = state._replace(
+            comm=comm, skipped=candidate.skipped, skipped_total=candidate.skipped_total
+        )
+        new_state = keep_if(ok, candidate, old)
+        delta = jax.tree.map(lambda d: jnp.where(ok, d, jnp.zeros_like(d)), delta)
         return cast_like(delta, params), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

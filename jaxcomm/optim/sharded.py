@@ -32,8 +32,8 @@ its index yet: the master is then marked invalid and taken from ``p`` at the fir
 With an exact gather the slice of ``p`` *is* the master
 shard and nothing extra is stored.
 
-State. :class:`ShardedState` is per device as a whole (it is registered with
-:func:`jaxcomm.parallel.register_per_device_type`): under ``make_train_step`` every leaf is
+State. :class:`ShardedState` is per device as a whole (it is marked with
+:func:`jaxcomm.state.per_device`): under ``make_train_step`` every leaf is
 stacked ``(n, ...)`` with ``PartitionSpec(axis)``, so device ``r`` holds ``s_r`` only: the
 inner state is ``1/n`` of plain data parallelism's, plus at most ``n - 1`` padding elements per
 leaf, plus any scalars the inner state keeps (its step count, once per device).
@@ -53,7 +53,7 @@ import optax
 from jax import lax
 from jax.extend.core import Var
 
-from jaxcomm._compat import bound_axis_size
+from jaxcomm._compat import bound_axis_size, ensure_varying
 from jaxcomm.collectives import (
     ScatterState,
     compressed_all_gather,
@@ -62,12 +62,19 @@ from jaxcomm.collectives import (
     shard_shapes,
 )
 from jaxcomm.compressors import Compressor, NoCompression
-from jaxcomm.optim._common import check_compressor, resolve_axis_size, static_bucket_bytes
-from jaxcomm.parallel import register_per_device_type
+from jaxcomm.optim._common import (
+    all_finite,
+    check_compressor,
+    keep_if,
+    resolve_axis_size,
+    static_bucket_bytes,
+)
+from jaxcomm.state import per_device
 
 PyTree = Any
 
 
+@per_device
 class ShardedState(NamedTuple):
     """State of :func:`sharded`; every leaf is private to its device.
 
@@ -95,9 +102,6 @@ class MasterShards(NamedTuple):
 
     shards: PyTree
     valid: jax.Array
-
-
-register_per_device_type(ShardedState)
 
 
 def shard_of(tree: PyTree, index: jax.Array | int, axis_size: int) -> PyTree:
@@ -235,6 +239,20 @@ def sharded(
             lambda new, p: (new - p).astype(jnp.asarray(p).dtype), gathered, params
         )
         master = MasterShards(new_own, jnp.ones_like(valid)) if keep_master else ()
+        # A non-finite mean gradient or update on any device skips the step on every device
+        # (one int32 pmin): the inner state and the master shards stay, nothing moves; the
+        # collectives' guard kept the error feedback.
+        ok = all_finite(shard_updates, inner)
+        ok = lax.pmin(ensure_varying(ok.astype(jnp.int32), axis_name), axis_name) > 0
+        inner = keep_if(ok, inner, state.inner)
+        # The scatter's guard is per device: devices whose own shard of the mean was finite
+        # advanced their error feedback; a skipped step must leave it on every device.
+        comm = keep_if(ok, comm, state.comm)
+        if keep_master:
+            master = keep_if(ok, master, MasterShards(own, valid))
+        delta = jax.tree.map(lambda d: jnp.where(ok, d, jnp.zeros_like(d)), delta)
+        # No skip counter here yet (jaxcomm.reshard builds ShardedState from its three fields);
+        # the inner transformation can count (e.g. wrap it in optax.apply_if_finite).
         return delta, ShardedState(inner, comm, master)
 
     return optax.GradientTransformation(init_fn, update_fn)

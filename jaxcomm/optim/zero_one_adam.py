@@ -21,16 +21,21 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomm._compat import ensure_varying
 from jaxcomm.collectives import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit
 from jaxcomm.optim._common import (
     PyTree,
+    all_finite,
     cast_like,
     check_compressor,
+    check_skips,
     compressed_mean_call,
+    damped_denominator,
     ema,
     exact_mean,
     f32,
+    keep_if,
     learning_rate_at,
     needs_params,
     resolve_axis_size,
@@ -70,6 +75,9 @@ class ZeroOneAdamState(NamedTuple):
       local: per-device :class:`LocalState` (momentum and accumulated local updates).
       comm: per-device error feedback (``jc.ReduceState``), shared by the 1-bit gradient
         all-reduce and the 1-bit all-reduce of the accumulated updates; zeroed at the freeze.
+      var_updates: updates of ``nu`` so far (its bias correction is ``1 - b2^var_updates``).
+      skipped: consecutive updates skipped because they were not finite.
+      skipped_total: all updates skipped so far.
     """
 
     count: jax.Array
@@ -81,6 +89,9 @@ class ZeroOneAdamState(NamedTuple):
     nu: PyTree
     local: LocalState
     comm: ReduceState
+    var_updates: jax.Array
+    skipped: jax.Array
+    skipped_total: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,16 +105,24 @@ class _Step:
     lr: jax.Array
     t: jax.Array
     var_freeze_step: int | jax.Array
+    c1: jax.Array  # bias corrections of m and v (1.0 under deepspeed_compat)
+    c2: jax.Array
+    floor: float | None
+    precondition: bool
     params: PyTree | None
     axis_name: str
     compressor: Compressor
     bucket_bytes: int | None
 
+    def denom(self, v: jax.Array) -> jax.Array:
+        """``sqrt(v_hat) + eps``, damped where ``v`` is (near) zero (``variance_floor``)."""
+        return damped_denominator(v / self.c2, self.eps, self.floor)
+
     def adam_step(self, mu: PyTree, nu: PyTree) -> PyTree:
-        """``lr * (m / (sqrt(v) + eps) + wd * p)`` per leaf (before the sign)."""
+        """``lr * (m_hat / denom(v) + wd * p)`` per leaf (before the sign)."""
 
         def one(m, v, p):
-            update = m / (jnp.sqrt(v) + self.eps)
+            update = (m / self.c1) / self.denom(v)
             if p is not None:
                 update = update + self.wd * p
             return self.lr * update
@@ -136,7 +155,13 @@ class _Step:
 
     def onebit_momentum(self, g, mu, nu, u, lrs, comm):
         """Variance stage, other steps: the 1-bit mean gradient updates ``m`` only."""
-        g, comm = self.onebit_mean(g, comm)
+        if self.precondition:
+            # 1-bit mean of g / denom, mapped back (see onebit_adam: one scale fits steps).
+            denom = jax.tree.map(self.denom, nu)
+            g, comm = self.onebit_mean(jax.tree.map(lambda x, d: x / d, g, denom), comm)
+            g = jax.tree.map(lambda x, d: x * d, g, denom)
+        else:
+            g, comm = self.onebit_mean(g, comm)
         mu = ema(mu, g, self.b1)
         return self.finish(mu, nu, u, lrs, comm, _neg(self.adam_step(mu, nu)))
 
@@ -158,9 +183,15 @@ class _Step:
         # synchronisation: local_interval is still 1 then).
         first = self.t == self.var_freeze_step + 1
         comm = jax.tree.map(lambda e: jnp.where(first, jnp.zeros_like(e), e), comm)
-        denom = jax.tree.map(lambda v: jnp.sqrt(v) + self.eps, nu)
-        scaled = jax.tree.map(lambda a, d: a * d, u, denom)
-        avg, comm = self.onebit_mean(scaled, comm)
+        denom = jax.tree.map(self.denom, nu)
+        if self.precondition:
+            # The accumulated updates themselves are 1-bit averaged (even magnitudes), then
+            # mapped to momentum space; DeepSpeed compresses u * denom.
+            avg, comm = self.onebit_mean(u, comm)
+            avg = jax.tree.map(lambda a, d: a * d, avg, denom)
+        else:
+            scaled = jax.tree.map(lambda a, d: a * d, u, denom)
+            avg, comm = self.onebit_mean(scaled, comm)
         mu = jax.tree.map(lambda a: -a / lrs, avg)
         # p + delta = (p - lr*update) - u + avg / denom, DeepSpeed's order of the three terms.
         delta = jax.tree.map(lambda s, a, c, d: (-s - a) + c / d, step, u, avg, denom)
@@ -195,21 +226,57 @@ def _intervals(state: ZeroOneAdamState, t, frozen, var_step, scalers) -> dict:
     )
 
 
+#: Fractions of ``total_steps`` behind 0/1 Adam's run-length defaults (see :func:`schedule_for`).
+VAR_FREEZE_FRACTION = 0.15
+LOCAL_SCALER_OF_FREEZE = 1 / 3
+
+
+def schedule_for(
+    total_steps: int | None, var_freeze_step: int | None, local_step_scaler: int | None
+) -> tuple[int, int]:
+    """0/1 Adam's ``(var_freeze_step, local_step_scaler)``: the given values, else from
+    ``total_steps``, else DeepSpeed's constants (100000 and 32678, made for 100k+-step runs).
+
+    From ``total_steps = T``: ``var_freeze_step = round(0.15 T)`` (the variance freezes after
+    the same share of the run as 1-bit Adam's 15% warm-up) and ``local_step_scaler =
+    round(var_freeze_step / 3)`` (DeepSpeed's own ratio, 32678 / 100000), at least 1.
+    """
+    if total_steps is not None:
+        total = int(total_steps)
+        if total < 1:
+            raise ValueError(f"jaxcomm: zero_one_adam total_steps must be >= 1, got {total_steps}")
+        if var_freeze_step is None:
+            var_freeze_step = max(1, round(VAR_FREEZE_FRACTION * total))
+        if local_step_scaler is None:
+            local_step_scaler = max(1, round(LOCAL_SCALER_OF_FREEZE * int(var_freeze_step)))
+    if var_freeze_step is None:
+        var_freeze_step = 100000
+    if local_step_scaler is None:
+        local_step_scaler = 32678
+    return var_freeze_step, local_step_scaler
+
+
 def zero_one_adam(
     learning_rate: optax.ScalarOrSchedule = 1e-3,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    var_freeze_step: int = 100000,
+    var_freeze_step: int | None = None,
     var_update_scaler: int = 16,
-    local_step_scaler: int = 32678,
+    local_step_scaler: int | None = None,
     local_step_clipper: int = 16,
     *,
     axis_name: str,
+    total_steps: int | None = None,
     compressor: Compressor | None = None,
     bucket_bytes: int | None = None,
     axis_size: int | None = None,
+    bias_correction: bool | None = None,
+    variance_floor: float | None = 0.1,
+    deepspeed_compat: bool = False,
+    max_consecutive_skips: int | None = 16,
+    precondition: bool | None = None,
 ) -> optax.GradientTransformation:
     """DeepSpeed's 0/1 Adam (``ZeroOneAdam``) over local gradients.
 
@@ -239,6 +306,23 @@ def zero_one_adam(
     from 1. Everything else, including the shared error buffers for both 1-bit all-reduces, is
     DeepSpeed's rule. The returned optax update is the parameter change of the step.
 
+    Run length. DeepSpeed's constants (``var_freeze_step=100000``, ``local_step_scaler=32678``)
+    are for 100k+-step runs; in a short run they never freeze. Pass ``total_steps`` and the
+    unset ones follow it (:func:`schedule_for`): ``var_freeze_step = round(0.15 total_steps)``,
+    ``local_step_scaler = round(var_freeze_step / 3)`` (DeepSpeed's ratio).
+
+    Safe defaults (``deepspeed_compat=True`` restores DeepSpeed's rules exactly, tested against
+    a NumPy model): ``bias_correction`` of ``m`` by ``t`` and of ``v`` by its number of updates
+    ``var_updates`` (only every ``var_interval``-th step updates ``v``: without it the variance
+    is ``1 - b2^var_updates`` of its value, 5% after 48 updates, and the steps 4.5x Adam's);
+    the ``variance_floor`` of :func:`jaxcomm.onebit_adam` on the denominator (1-bit momentum
+    steps and synchronisations otherwise divide a 1-bit scale by ``~eps``); ``precondition``:
+    the 1-bit gradient mean carries ``g / denom`` and the synchronisation ``u`` itself (both
+    mapped back exactly), whose magnitudes are even across coordinates. A non-finite step on any
+    device is skipped on all of them (one int32 ``pmin`` per step, so that local steps stay in
+    step), counted in ``skipped``/``skipped_total``, and more than ``max_consecutive_skips`` in
+    a row raise.
+
     Returns:
       An ``optax.GradientTransformation`` whose state is a :class:`ZeroOneAdamState`. ``update``
       needs ``params`` when ``weight_decay`` is non-zero.
@@ -246,7 +330,14 @@ def zero_one_adam(
     compressor = OneBit() if compressor is None else compressor
     check_compressor(compressor)
     bucket_bytes = static_bucket_bytes(bucket_bytes)
+    var_freeze_step, local_step_scaler = schedule_for(
+        total_steps, var_freeze_step, local_step_scaler
+    )
     scalers = (var_update_scaler, local_step_scaler, local_step_clipper)
+    if bias_correction is None:
+        bias_correction = not deepspeed_compat
+    floor = None if deepspeed_compat else variance_floor
+    precondition = not deepspeed_compat if precondition is None else precondition
 
     def init_fn(params):
         n = resolve_axis_size(axis_name, axis_size)
@@ -264,26 +355,38 @@ def zero_one_adam(
             nu=zeros_f32(params),
             local=LocalState(mu=zeros, u=zeros_f32(params)),
             comm=comm,
+            var_updates=jnp.zeros([], jnp.int32),
+            skipped=jnp.zeros([], jnp.int32),
+            skipped_total=jnp.zeros([], jnp.int32),
         )
 
     def update_fn(updates, state, params=None):
         needs_params(params, weight_decay, "zero_one_adam")
         t = optax.safe_increment(state.count)
+        frozen = t > var_freeze_step
+        var_step = (t % state.var_interval) == 0
+        b1_, b2_ = jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32)
+        var_updates = state.var_updates + jnp.where(~frozen & var_step, 1, 0).astype(jnp.int32)
+        one = jnp.ones([], jnp.float32)
+        c1 = 1 - b1_ ** t.astype(jnp.float32) if bias_correction else one
+        c2 = 1 - b2_ ** jnp.maximum(var_updates, 1).astype(jnp.float32) if bias_correction else one
         step = _Step(
-            b1=jnp.asarray(b1, jnp.float32),
-            b2=jnp.asarray(b2, jnp.float32),
+            b1=b1_,
+            b2=b2_,
             eps=jnp.asarray(eps, jnp.float32),
             wd=jnp.asarray(weight_decay, jnp.float32),
             lr=learning_rate_at(learning_rate, state.count),
             t=t,
             var_freeze_step=var_freeze_step,
+            c1=c1,
+            c2=c2,
+            floor=floor,
+            precondition=precondition,
             params=None if params is None else f32(params),
             axis_name=axis_name,
             compressor=compressor,
             bucket_bytes=bucket_bytes,
         )
-        frozen = t > var_freeze_step
-        var_step = (t % state.var_interval) == 0
         sync = (t % state.local_interval) == 0
         branch = jnp.where(frozen, jnp.where(sync, 3, 2), jnp.where(var_step, 0, 1))
         mu, nu, u, lrs, comm, delta = lax.switch(
@@ -296,14 +399,32 @@ def zero_one_adam(
             state.lrs,
             state.comm,
         )
-        new_state = ZeroOneAdamState(
+        # A non-finite result on any device skips the step on every device (one int32 pmin;
+        # local steps would otherwise let the devices' schedules drift apart): moments, local
+        # updates and schedules stay, the collectives' guard kept the error feedback.
+        ok = all_finite(mu, u, nu, delta)
+        ok = lax.pmin(ensure_varying(ok.astype(jnp.int32), axis_name), axis_name) > 0
+        skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
+        check_skips(skipped, max_consecutive_skips, "zero_one_adam")
+        candidate = ZeroOneAdamState(
             count=t,
             lrs=lrs,
             nu=nu,
             local=LocalState(mu=mu, u=u),
             comm=comm,
+            var_updates=var_updates,
+            skipped=skipped,
+            skipped_total=state.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32),
             **_intervals(state, t, frozen, var_step, scalers),
         )
+        old = state._replace(
+            local=LocalState(*varying(tuple(state.local), axis_name)),
+            skipped=candidate.skipped,
+            skipped_total=candidate.skipped_total,
+            comm=comm,
+        )
+        new_state = keep_if(ok, candidate, old)
+        delta = jax.tree.map(lambda d: jnp.where(ok, d, jnp.zeros_like(d)), delta)
         return cast_like(delta, updates if params is None else params), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

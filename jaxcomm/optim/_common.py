@@ -5,6 +5,7 @@ Private to the subpackage (the module name starts with ``_``; its names do not).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -162,21 +163,31 @@ def unzip(out: PyTree, like: PyTree, k: int = 2) -> tuple:
 # Frozen variance: damping of (near) zero-variance coordinates
 
 
-def damped_denominator(v: jax.Array, eps: jax.Array, floor: float | None) -> jax.Array:
-    """``max(sqrt(v), floor * rms) + eps`` with ``rms = sqrt(mean(v))`` over the leaf.
+def damped_denominator(
+    v: jax.Array,
+    eps: jax.Array,
+    floor: float | None,
+    *,
+    scale: jax.Array | float = 1.0,
+    enabled: jax.Array | bool = True,
+) -> jax.Array:
+    """``max(sqrt(v / scale), floor * rms) + eps`` with ``rms = sqrt(mean(v) / scale)`` over the
+    leaf (``enabled`` false, a bool that may be traced: ``sqrt(v / scale) + eps``).
 
-    The rule of the 1-bit optimizers after their variance freeze: a coordinate whose frozen
-    ``sqrt(v)`` is below ``floor`` times the leaf's root-mean variance (an embedding row of a
-    byte never or rarely seen during the warm-up, the key part of an attention bias) is divided
-    by that floor instead of by ``~eps``: 1-bit compression hands it a non-zero momentum (a
-    bucket scale times a sign), which would otherwise become a ``m / eps`` step. ``floor=None``
-    (or 0): ``sqrt(v) + eps``, DeepSpeed's rule.
+    The rule of the 1-bit optimizers after their variance freeze (``scale`` is the bias
+    correction of ``v``): a coordinate whose frozen ``sqrt(v)`` is below ``floor`` times the
+    leaf's root-mean variance (an embedding row of a byte never or rarely seen during the
+    warm-up, the key part of an attention bias) is divided by that floor instead of by
+    ``~eps``: 1-bit compression hands it a non-zero momentum (a bucket scale times a sign),
+    which would otherwise become a ``m / eps`` step. ``floor=None`` (or 0): ``sqrt(v / scale) +
+    eps``, DeepSpeed's rule.
     """
-    root = jnp.sqrt(v)
+    root = jnp.sqrt(v / scale)
     if floor is None or is_static_zero(floor) or v.size == 0:
         return root + eps
-    rms = jnp.sqrt(jnp.mean(v))
-    return jnp.maximum(root, jnp.asarray(floor, v.dtype) * rms) + eps
+    rms = jnp.sqrt(jnp.mean(v) / scale)
+    low = jnp.where(enabled, jnp.asarray(floor, v.dtype) * rms, jnp.zeros_like(rms))
+    return jnp.maximum(root, low) + eps
 
 
 def apply_mask(tree: PyTree, mask: PyTree | None) -> PyTree:
@@ -191,11 +202,22 @@ def apply_mask(tree: PyTree, mask: PyTree | None) -> PyTree:
 
 
 def all_finite(*trees: PyTree) -> jax.Array:
-    """One bool scalar: every element of every leaf is finite."""
+    """One bool scalar: every element of every leaf is finite.
+
+    Decided as ``isfinite(max(|x|))`` (the max propagates NaN, ``|Inf|`` is not finite): one
+    reduction per leaf that XLA fuses into the pass producing ``x`` (for a 1-bit mean: a read of
+    the packed signs), instead of a boolean array per leaf. The result is replicated when the
+    trees are.
+    """
     leaves = [x for t in trees for x in jax.tree.leaves(t)]
-    if not leaves:
+    peaks = [
+        jnp.max(jnp.abs(x)).astype(jnp.float32)
+        for x in leaves
+        if jnp.size(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    if not peaks:
         return jnp.asarray(True)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    return jnp.isfinite(functools.reduce(jnp.maximum, peaks))
 
 
 def keep_if(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:

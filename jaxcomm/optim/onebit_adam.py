@@ -139,50 +139,73 @@ def scale_by_onebit_adam(
             c1 = 1 - b1_ ** t.astype(jnp.float32)
             c2 = 1 - b2_**tv
 
-        def frozen_denom(v):
-            """After the freeze: ``sqrt(v_hat) + eps``, damped (``variance_floor``)."""
-            return damped_denominator(v / c2, eps_, floor)
+        def denominator(nu, frozen):
+            """``sqrt(v_hat) + eps``, damped after the freeze (``variance_floor``).
 
-        def warm(g, mu, nu, comm):
-            g = exact_mean(g, axis_name, bucket_bytes)
-            mu, nu = ema(mu, g, b1_), ema(nu, g, b2_, 2)
-            d = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps_), mu, nu)
-            return mu, nu, comm, d
+            The leaf's mean is taken of ``v`` itself (a read-only pass): taking it of ``v / c2``
+            would give that quotient two consumers, and XLA would materialise it.
+            """
+            return jax.tree.map(
+                lambda v: damped_denominator(v, eps_, floor, scale=c2, enabled=frozen), nu
+            )
 
-        def compress(g, mu, nu, comm):
-            local = ema(mu, g, b1_)
-            denom = jax.tree.map(frozen_denom, nu)
+        # Only the communication is in the lax.cond (the exact mean of the gradients during
+        # the warm-up, the 1-bit mean of the momentum after it); the moments are updated after
+        # it, elementwise in their own (donated) buffers: state that passes through a lax.cond
+        # is copied by XLA, in both branches.
+        def warm(g, mu, comm):
+            return exact_mean(g, axis_name, bucket_bytes), comm
+
+        def compress(g, mu, comm):
+            local = ema(mu, g, b1_)  # in the branch, so that it fuses into the 1-bit pass
             if precondition:
                 # Compress the preconditioned momentum m / denom (what the step applies; its
                 # magnitudes are even across coordinates, so one 1-bit scale fits them), then
                 # map the mean back: v is frozen and identical on every device.
-                local = jax.tree.map(lambda m, d: m / d, local, denom)
-            mu, comm = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
-            if precondition:
-                mu = jax.tree.map(lambda x, d: x * d, mu, denom)
-            mu = apply_mask(mu, momentum_mask)
-            d = jax.tree.map(lambda m, den: (m / c1) / den, mu, denom)
-            return mu, nu, comm, d
+                local = jax.tree.map(lambda m, d: m / d, local, denominator(state.nu, True))
+            return compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
 
-        args = (grads, state.mu, state.nu, state.comm)
+        args = (grads, state.mu, state.comm)
         if static_freeze is not None and static_freeze <= 0:
-            mu, nu, comm, direction = compress(*args)
+            frozen = jnp.asarray(True)
+            mean, comm = compress(*args)
         else:
-            mu, nu, comm, direction = lax.cond(state.count < freeze_step, warm, compress, *args)
+            frozen = state.count >= freeze_step
+            mean, comm = lax.cond(frozen, compress, warm, *args)
+        if precondition:
+            mean = jax.tree.map(
+                lambda x, d: jnp.where(frozen, x * d, x), mean, denominator(state.nu, True)
+            )
+        # warm-up: mean = the exact mean gradient g, m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2;
+        # after: mean = the 1-bit mean of the momentum, m = mask(mean), v frozen.
+        mu = jax.tree.map(
+            lambda masked, x, m: jnp.where(frozen, masked, b1_ * m + (1 - b1_) * x),
+            apply_mask(mean, momentum_mask),
+            mean,
+            state.mu,
+        )
+        nu = jax.tree.map(
+            lambda v, x: jnp.where(frozen, v, b2_ * v + (1 - b2_) * x**2), state.nu, mean
+        )
         # A non-finite mean gradient or momentum (NaN/Inf on any device) skips the step: the
         # moments stay, the collectives' guard kept the error feedback, nothing moves.
-        ok = all_finite(mu, nu)
+        ok = all_finite(mean)
+        mu, nu = keep_if(ok, mu, state.mu), keep_if(ok, nu, state.nu)
         skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
         check_skips(skipped, max_consecutive_skips, "onebit_adam")
+        direction = jax.tree.map(
+            lambda m, den: jnp.where(ok, (m / c1) / den, jnp.zeros_like(m)),
+            mu,
+            denominator(nu, frozen),
+        )
         new_state = OneBitAdamState(
             jnp.where(ok, t, state.count),
-            keep_if(ok, mu, state.mu),
-            keep_if(ok, nu, state.nu),
+            mu,
+            nu,
             comm,
             skipped,
             state.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32),
         )
-        direction = jax.tree.map(lambda d: jnp.where(ok, d, jnp.zeros_like(d)), direction)
         return direction, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from jaxcomm.tools._proc import pdeathsig_prefix
+from jaxcomm.tools._proc import helper_process
 
 _SHIM_C = r"""
 #define _GNU_SOURCE
@@ -273,36 +273,18 @@ def delay_relay(
         raise ValueError(f"delay must be >= 0, got {delay!r}")
 
     shim = build_shim()
-    relay = subprocess.Popen(
-        # The relay must not outlive a launcher that is killed outright.
-        [*pdeathsig_prefix(), *prefix, sys.executable, "-m", "jaxcomm.tools._delay", str(seconds)],
-        stdout=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        got: list[str] = []
-        reader = threading.Thread(
-            target=lambda: got.append(relay.stdout.readline() if relay.stdout else ""),
-            daemon=True,
-        )
-        reader.start()
-        reader.join(startup_timeout)
-        if not got or not got[0].strip().isdigit():
-            raise RuntimeError("the delay relay did not start")
+    with helper_process(
+        [*prefix, sys.executable, "-m", "jaxcomm.tools._delay", str(seconds)],
+        ready=str.isdigit,  # the relay prints its port once it listens
+        error=lambda _: RuntimeError("the delay relay did not start"),
+        startup_timeout=startup_timeout,
+    ) as (_, port):
         preload = " ".join(p for p in (str(shim), os.environ.get("LD_PRELOAD", "")) if p)
         yield {
             "LD_PRELOAD": preload,
-            "JAXCOMM_DELAY_RELAY_PORT": got[0].strip(),
+            "JAXCOMM_DELAY_RELAY_PORT": port,
             "JAXCOMM_DELAY_SKIP_PORTS": ",".join(str(int(p)) for p in skip_ports),
         }
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(relay.pid, 9)
-        relay.wait()
-        if relay.stdout:
-            relay.stdout.close()
 
 
 if __name__ == "__main__":  # python -m jaxcomm.tools._delay SECONDS

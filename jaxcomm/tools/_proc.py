@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 
 @functools.cache
@@ -28,3 +34,74 @@ def pdeathsig_prefix() -> tuple[str, ...]:
     except (OSError, subprocess.TimeoutExpired):
         ok = False
     return ("setpriv", "--pdeathsig", "KILL", "--") if ok else ()
+
+
+def kill_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to ``proc``'s process group (it is a session leader); gone is fine."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def terminate(procs: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM every live process group, then SIGKILL whatever is left after ``grace`` s."""
+    for p in procs:
+        if p.poll() is None:
+            kill_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        # Also reaps grandchildren that ignored SIGTERM, even when the leader already exited.
+        kill_group(p, signal.SIGKILL)
+        p.wait()
+
+
+@contextlib.contextmanager
+def helper_process(
+    argv: Sequence[str],
+    *,
+    ready: Callable[[str], bool],
+    error: Callable[[str], Exception],
+    startup_timeout: float,
+    capture_stderr: bool = False,
+    grace: float = 0.5,
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """Runs a helper (the delay relay, the namespace holder) for the ``with`` block.
+
+    The helper is started in its own session, under :func:`pdeathsig_prefix` (it must not
+    outlive a launcher that is killed outright), and says it is ready on its first stdout line:
+    ``(process, that line stripped)`` is yielded once ``ready(line)`` holds. If it does not within
+    ``startup_timeout`` seconds, the helper is stopped and ``error(stderr)`` is raised
+    (``stderr`` is the helper's error output when ``capture_stderr``, else ``""``). On exit
+    its process group is stopped (:func:`terminate`).
+    """
+    proc = subprocess.Popen(
+        [*pdeathsig_prefix(), *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if capture_stderr else None,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        got: list[str] = []
+        reader = threading.Thread(
+            target=lambda: got.append(proc.stdout.readline() if proc.stdout else ""),
+            daemon=True,
+        )
+        reader.start()
+        reader.join(startup_timeout)
+        if not got or not ready(got[0].strip()):
+            terminate([proc], grace)
+            raise error(proc.stderr.read().strip() if proc.stderr else "")
+        yield proc, got[0].strip()
+    finally:
+        terminate([proc], grace)
+        for stream in (proc.stdout, proc.stderr):
+            if stream:
+                stream.close()

@@ -32,7 +32,6 @@ import functools
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -43,7 +42,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from jaxcomm.tools._proc import pdeathsig_prefix
+from jaxcomm.tools._proc import helper_process, pdeathsig_prefix, terminate
 
 __all__ = [
     "LaunchError",
@@ -179,30 +178,6 @@ def _stopped_pids(pgids: Sequence[int]) -> set[int]:
     return found
 
 
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _terminate(procs: Sequence[subprocess.Popen], grace: float) -> None:
-    """SIGTERM every live process group, then SIGKILL whatever is left after ``grace`` s."""
-    for p in procs:
-        if p.poll() is None:
-            _kill_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        # Also reaps grandchildren that ignored SIGTERM, even when the leader already exited.
-        _kill_group(p, signal.SIGKILL)
-        p.wait()
-
-
 # --------------------------------------------------------------------------------------------
 # Shaped network namespace.
 # --------------------------------------------------------------------------------------------
@@ -306,33 +281,15 @@ def shaped_network(
         raise RuntimeError(problem)
     tc_setup = _tc_script(rate, delay, burst)
     script = f"hostname localhost && {tc_setup} && echo ready && exec sleep infinity"
-    holder = subprocess.Popen(
-        [*pdeathsig_prefix(), "unshare", "-n", "-u", "sh", "-c", script],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        ready: list[str] = []
-        reader = threading.Thread(
-            target=lambda: ready.append(holder.stdout.readline() if holder.stdout else ""),
-            daemon=True,
-        )
-        reader.start()
-        reader.join(startup_timeout)
-        if not ready or ready[0].strip() != "ready":
-            _terminate([holder], grace=0.5)
-            err = holder.stderr.read().strip() if holder.stderr else ""
-            raise RuntimeError(f"could not create shaped namespace ({script!r}): {err}")
-        pid = holder.pid
+    with helper_process(
+        ["unshare", "-n", "-u", "sh", "-c", script],
+        ready=lambda line: line == "ready",
+        error=lambda err: RuntimeError(f"could not create shaped namespace ({script!r}): {err}"),
+        startup_timeout=startup_timeout,
+        capture_stderr=True,
+    ) as (holder, _):
+        pid = holder.pid  # setpriv, unshare and sh exec in turn: the namespace's pid
         yield ["nsenter", f"--net=/proc/{pid}/ns/net", f"--uts=/proc/{pid}/ns/uts", "--"]
-    finally:
-        _terminate([holder], grace=0.5)
-        for stream in (holder.stdout, holder.stderr):
-            if stream:
-                stream.close()
 
 
 def delay_options(delay: str | None, rate: str | None = None) -> tuple[dict[str, str | None], str]:
@@ -626,7 +583,7 @@ def _run_ranks(
                 break
             time.sleep(poll_interval)
     finally:
-        _terminate(procs, kill_grace)
+        terminate(procs, kill_grace)
     elapsed = time.monotonic() - start
     for t in readers:
         t.join(timeout=5.0)

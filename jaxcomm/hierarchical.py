@@ -24,8 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm._compat import bound_axis_size
 from jaxcomm.collectives import (
     ReduceState,
     compressed_all_gather,
@@ -59,30 +61,46 @@ def init_hierarchical_state(
       outer_size: devices on the slow axis.
       bucket_bytes: as for the collectives.
     """
-    return init_state(
-        compressor,
+    # The slow axis sees the fast axis's shards; bool leaves arrive there as int32 counts.
+    shards = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, jnp.int32) if s.dtype == jnp.bool_ else s,
         shard_shapes(tree, inner_size),
-        axis_size=outer_size,
-        bucket_bytes=bucket_bytes,
     )
+    return init_state(compressor, shards, axis_size=outer_size, bucket_bytes=bucket_bytes)
 
 
 def _hierarchical(tree, state, *, inner_axis, outer_axis, compressor, bucket_bytes, mean):
     exact = NoCompression()
+    leaves, treedef = jax.tree.flatten(tree)
+    # Integer and bool leaves are summed exactly on both hops, as the flat collectives do (bool
+    # as int32 counts); a mean divides their sum once it is complete (below). Floating leaves
+    # take the mean per hop. The outer call sees the shards in the order (and the integer
+    # dtypes) that init_hierarchical_state planned its buckets for.
+    integer = [not jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
     scatter = compressed_pmean_scatter if mean else compressed_psum_scatter
-    shards, _ = scatter(
-        tree, None, axis_name=inner_axis, compressor=exact, bucket_bytes=bucket_bytes
-    )
+    floats, _ = scatter(
+        [x for x, i in zip(leaves, integer, strict=True) if not i],
+        None, axis_name=inner_axis, compressor=exact, bucket_bytes=bucket_bytes,
+    )  # fmt: skip
+    ints, _ = compressed_psum_scatter(
+        [x for x, i in zip(leaves, integer, strict=True) if i],
+        None, axis_name=inner_axis, compressor=exact, bucket_bytes=bucket_bytes,
+    )  # fmt: skip
+    floats, ints = iter(floats), iter(ints)
+    shards = [next(ints) if i else next(floats) for i in integer]
     reduce = compressed_pmean if mean else compressed_psum
     shards, state = reduce(
         shards, state, axis_name=outer_axis, compressor=compressor, bucket_bytes=bucket_bytes
     )
     # Exact means of integer leaves are floating (as lax.pmean): gather in the shards' dtypes.
-    like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, s.dtype), tree, shards)
+    like = [jax.ShapeDtypeStruct(x.shape, s.dtype) for x, s in zip(leaves, shards, strict=True)]
     out, _ = compressed_all_gather(
         shards, None, axis_name=inner_axis, compressor=exact, like=like, bucket_bytes=bucket_bytes
     )
-    return out, state
+    if mean:  # the outer mean of the inner sums, divided by the inner axis size
+        inner = bound_axis_size(inner_axis)
+        out = [x / inner if i else x for x, i in zip(out, integer, strict=True)]
+    return jax.tree.unflatten(treedef, out), state
 
 
 def hierarchical_psum(
@@ -135,7 +153,15 @@ def hierarchical_pmean(
     compressor: Compressor,
     bucket_bytes: int | None = None,
 ) -> tuple[PyTree, ReduceState | None]:
-    """Mean over both axes; see :func:`hierarchical_psum`."""
+    """Mean over both axes; see :func:`hierarchical_psum`.
+
+    Integer and bool leaves are never compressed (as in :func:`jaxcomm.compressed_pmean`):
+    they are summed exactly, as integers, over both axes and the sum is divided by the number
+    of devices, giving a floating mean like ``lax.pmean`` (bit for bit when both axis sizes are
+    powers of two; otherwise within one rounding, the division being done per axis). A state
+    from :func:`init_hierarchical_state` of a tree with integer leaves fits (their buckets
+    carry no state).
+    """
     return _hierarchical(
         tree,
         state,

@@ -76,6 +76,39 @@ def test_exact_compressor_equals_psum_over_both_axes(mesh2d, mean):
         )
 
 
+@pytest.mark.parametrize("mean", [False, True])
+def test_integer_leaves_next_to_compressed_ones_are_exact(mesh2d, mean):
+    """As compressed_psum/pmean: integer and bool leaves are reduced exactly (pmean: a floating
+    mean, as lax.pmean), with a state from init_hierarchical_state of the whole tree, and they
+    do not change what the floating leaves get."""
+    tree = stacked(3, {"w": (300,), "i": (5,), "flag": (3,)}, {"i": np.int32})
+    tree["flag"] = tree["flag"] > 0
+    comp = jc.Quantize(bits=8, block_size=64, error_feedback=True)
+    collective = hierarchical_pmean if mean else hierarchical_psum
+
+    def state_for(t):
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), t)
+        return global_state(init_hierarchical_state(comp, like, inner_size=L, outer_size=S))
+
+    def fn(t, s):
+        return collective(t, s, inner_axis="local", outer_axis="node", compressor=comp)
+
+    state, alone_state = state_for(tree), state_for({"w": tree["w"]})
+    for _ in range(2):  # the second step uses the returned state
+        out, state = run(mesh2d, fn, tree, state)
+        alone, alone_state = run(mesh2d, fn, {"w": tree["w"]}, alone_state)
+        np.testing.assert_array_equal(out["w"], alone["w"])
+        for k in ("i", "flag"):
+            total = tree[k].astype(np.int32).sum(0)
+            if mean:  # S and L are powers of two: the per-axis division is exact
+                assert out[k].dtype == jnp.float32, k
+                np.testing.assert_array_equal(out[k], total.astype(np.float32) / (S * L))
+            else:
+                assert out[k].dtype == jnp.int32, k
+                np.testing.assert_array_equal(out[k], total)
+        assert jax.tree.structure(state) == jax.tree.structure(state_for(tree))
+
+
 def test_quantized_slow_axis_matches_numpy_model(mesh2d):
     numel, block = 1000, 64
     comp = jc.Quantize(bits=8, block_size=block, error_feedback=True)

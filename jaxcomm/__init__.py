@@ -38,10 +38,10 @@ from jaxcomm.hierarchical import (
     wire_bytes_by_axes,
 )
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
-from jaxcomm.optim.diloco import (
+from jaxcomm.optim.diloco import diloco
+from jaxcomm.optim.diloco_state import (
     DiLoCoLocal,
     DiLoCoState,
-    diloco,
     diloco_params,
     resize_diloco_state,
 )

@@ -256,7 +256,7 @@ def _per_device(path, old, new_template, ctx: _Context, *, shards: bool = False)
 
     sharded_state = jaxcomm.ShardedState
     if isinstance(old, sharded_state):
-        return sharded_state(
+        fields = dict(
             inner=_per_device(
                 (*path, GetAttrKey("inner")), old.inner, new_template.inner, ctx, shards=True
             ),
@@ -265,6 +265,16 @@ def _per_device(path, old, new_template, ctx: _Context, *, shards: bool = False)
                 (*path, GetAttrKey("master")), old.master, new_template.master, ctx, shards=True
             ),
         )
+        # Any other field (e.g. skip counters) is the same on every device (the step is
+        # skipped on all of them at once): its largest row, on every new device.
+        def largest_row(x):
+            row = np.max(np.asarray(x), axis=0)
+            return np.broadcast_to(row, (ctx.m, *row.shape)).copy()
+
+        for name in old._fields:
+            if name not in fields:
+                fields[name] = jax.tree.map(largest_row, getattr(old, name))
+        return sharded_state(**fields)
     return jax.tree_util.tree_map_with_path(visit, old, new_template, is_leaf=is_node)
 
 

@@ -54,13 +54,16 @@ def pending_sum(comm, n: int, numel: int) -> np.ndarray:
     return np.asarray(bucket.error, np.float64)[:, :numel].sum(0)
 
 
-def make_batches(count, seed=1, nan_at=None):
+def make_batches(count, seed=1, nan_at=()):
+    """``count`` batches; at the (0-based) steps ``nan_at`` (an int or several) one example of
+    device 3 is NaN."""
     rng = np.random.default_rng(seed)
+    nan_at = {nan_at} if isinstance(nan_at, int) else set(nan_at)
     out = []
     for t in range(count):
         x = rng.normal(size=(N * B, IN)).astype(np.float32)
         y = rng.normal(size=(N * B, OUT)).astype(np.float32)
-        if t == nan_at:
+        if t in nan_at:
             x[3 * B, 0] = np.nan  # one example of device 3
         out.append((x, y))
     return out
@@ -327,6 +330,37 @@ def test_nonfinite_inner_step_is_skipped_on_its_device(mesh):
     assert int(state.opt_state.skipped) == 0
 
 
+def test_consecutive_nonfinite_steps_then_clean_ones(mesh):
+    """Issue 15.3: NaN on device 3 for 3 steps in a row (steps 3-5), then clean steps through
+    two more syncs: device 3 leaves exactly those steps out (the NumPy model with them
+    skipped), the others step on, nothing non-finite reaches the outer reduction or its error
+    feedback, the skips are counted and the in-a-row counter is back to 0."""
+    params, batches = make_params(), make_batches(10, nan_at=(2, 3, 4))
+    state = run(mesh, make_tx(3), params, batches)
+    theta, xs = numpy_diloco(params, batches, H=3, skip={(3, 3), (4, 3), (5, 3)}, **HYPER)
+    check_against(state, theta, xs)
+    local = state.opt_state.local
+    np.testing.assert_array_equal(np.asarray(local.nonfinite), [0, 0, 0, 3, 0, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(local.consecutive), np.zeros(N))
+    assert int(state.opt_state.skipped) == 0 and int(state.opt_state.consecutive) == 0
+    int4 = run(mesh, make_tx(3, compressor=jc.Quantize(bits=4, error_feedback=True)), params,
+               batches)  # fmt: skip
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(int4))
+    np.testing.assert_array_equal(np.asarray(int4.opt_state.comm[0].nonfinite), np.zeros((N, 1)))
+
+
+def test_more_consecutive_skips_than_allowed_stop_the_run(mesh):
+    """Device 3 skips steps 1-3; at the sync after step 3 its streak (3) is compared (devices
+    only talk at syncs) and exceeds max_consecutive_skips=2: a clear error, not silent
+    training. At the limit (3) the run goes on."""
+    params, batches = make_params(), make_batches(5, nan_at=(0, 1, 2))
+    with pytest.raises(Exception, match="consecutive steps") as info:
+        jax.block_until_ready(run(mesh, make_tx(3, max_consecutive_skips=2), params, batches))
+    assert "max_consecutive_skips=2" in str(info.value)
+    state = run(mesh, make_tx(3, max_consecutive_skips=3), params, batches)
+    np.testing.assert_array_equal(np.asarray(state.opt_state.local.nonfinite)[3], 3)
+
+
 def test_nonfinite_outer_gradient_skips_the_sync(mesh):
     """A finite but huge local step on device 3 overflows the 1-bit scale of the outer
     gradient at the sync after step 4: theta and the outer state are kept, the local copies
@@ -344,6 +378,7 @@ def test_nonfinite_outer_gradient_skips_the_sync(mesh):
     before, after = states[3], states[4]
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(after.params))
     assert int(before.opt_state.skipped) == 0 and int(after.opt_state.skipped) == 1
+    assert int(after.opt_state.consecutive) == 1  # in a row (max_consecutive_skips bounds it)
     np.testing.assert_array_equal(np.asarray(after.opt_state.comm[0].nonfinite), np.ones((N, 1)))
     for got, want in zip(
         jax.tree.leaves(

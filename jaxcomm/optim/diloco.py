@@ -50,113 +50,45 @@ keeping per-device parameters. The model to evaluate is the outer one,
 Non-finite values (issue 15 item 3: keep the state, count). An inner step whose new local
 parameters are not finite on a device (a NaN or Inf gradient, an overflow) is skipped on that
 device: its parameters and inner state are kept and its ``local.nonfinite`` counter goes up
-(no communication: the other devices step on). So the local copies stay finite, and a
-non-finite outer gradient can only come from the reduction itself (an overflowing sum or 1-bit
-scale) or from the outer optimizer: then the fragment's sync is skipped (``theta_f`` and its
-outer state kept, the local copies not merged and training on) and ``skipped`` counts it; the
-collective's own guard keeps the error feedback. A device whose copy has run away keeps the
-syncs failing (``skipped`` grows) until it is restored, e.g. from :func:`diloco_params`.
+(no communication: the other devices step on; the device's trajectory is that of a run in which
+it never saw those batches). So the local copies stay finite, and a non-finite outer gradient
+can only come from the reduction itself (an overflowing sum or 1-bit scale) or from the outer
+optimizer: then the fragment's sync is skipped (``theta_f`` and its outer state kept, the local
+copies not merged and training on) and ``skipped`` counts it; the collective's own guard keeps
+the error feedback. More than ``max_consecutive_skips`` outer steps in a row (``consecutive``),
+or a device still skipping at a sync after more than that many inner steps in a row
+(``local.consecutive``, compared at the syncs: one int32 max with the outer reduction), stop
+the run with a ``FloatingPointError`` naming the limit (one host callback per step, as the
+1-bit optimizers; ``None`` turns both off): a device whose copy has run away, or whose data
+stays bad, does not train on silently.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
-from jaxcomm import parallel
 from jaxcomm._compat import ensure_varying
 from jaxcomm.collectives import compressed_pmean, init_state
-from jaxcomm.compressors import Compressor, NoCompression
-from jaxcomm.state import per_device
-
-PyTree = Any
-
-
-@per_device  # its leaves are private to each device
-class DiLoCoLocal(NamedTuple):
-    """DiLoCo's per-device leaves besides the parameters.
-
-    Attributes:
-      inner: the inner optimizer's state (its moments come from this device's gradients).
-      nonfinite: int32 scalar: inner steps skipped on this device because its new local
-        parameters were not finite.
-    """
-
-    inner: PyTree
-    nonfinite: jax.Array
-
-
-@per_device(params=True)  # a DiLoCoState means the parameters are per device
-class DiLoCoState(NamedTuple):
-    """State of :func:`diloco`. Everything but ``local`` and ``comm`` is replicated.
-
-    Attributes:
-      count: steps done so far (int32 scalar).
-      outer_params: ``theta``, the outer (global) parameters, fp32, structured like the
-        parameters; the model to evaluate (:func:`diloco_params`).
-      outer: one outer-optimizer state per fragment (each over the fragment's list of leaves).
-      inflight: per fragment, the reduced outer gradient waiting to be merged (a list of fp32
-        leaves), or ``()`` when ``overlap_steps == 0``.
-      skipped: int32 scalar: outer steps skipped because the outer gradient was not finite.
-      devices: int8 zeros ``(n,)``: records the number of devices the per-device leaves were
-        built for (checked at trace time; use :func:`resize_diloco_state` to change it).
-      local: per-device :class:`DiLoCoLocal` (the inner optimizer state).
-      comm: per fragment, the error feedback of the outer-gradient all-reduce
-        (per-device ``jc.ReduceState``; leafless for exact reductions).
-    """
-
-    count: jax.Array
-    outer_params: PyTree
-    outer: tuple
-    inflight: tuple
-    skipped: jax.Array
-    devices: jax.Array
-    local: DiLoCoLocal
-    comm: tuple
-
-
-def fragment_offsets(sync_every: int, fragments: int) -> tuple[int, ...]:
-    """``o_f = ((f + 1) H // F) % H``: fragment ``f`` syncs after the steps ``t % H == o_f``."""
-    return tuple(((f + 1) * sync_every // fragments) % sync_every for f in range(fragments))
-
-
-def fragment_leaves(num_leaves: int, fragments: int) -> tuple[tuple[int, ...], ...]:
-    """Leaf indices of each fragment: leaf ``i`` (tree order) belongs to fragment ``i % F``."""
-    return tuple(tuple(range(f, num_leaves, fragments)) for f in range(fragments))
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"jaxcomm: diloco {name} must be an int >= {low}, got {value!r}")
-    return int(value)
-
-
-def _check_compressor(compressor) -> Compressor:
-    if compressor is None:
-        return NoCompression()
-    if isinstance(compressor, type):
-        raise TypeError(
-            f"jaxcomm: diloco compressor must be a compressor instance, got the class "
-            f"{compressor.__name__}: write {compressor.__name__}(...)"
-        )
-    if not isinstance(compressor, Compressor):
-        raise TypeError(
-            "jaxcomm: diloco compressor must be None (exact mean) or a jaxcomm Compressor that "
-            "all-reduces (jc.Quantize(bits=4, error_feedback=True), jc.OneBit(), jc.TopK(...), "
-            f"...), got {compressor!r}"
-        )
-    return compressor
+from jaxcomm.compressors import Compressor
+from jaxcomm.optim._common import check_skips
+from jaxcomm.optim.diloco_state import (
+    DiLoCoLocal,
+    DiLoCoState,
+    check_compressor,
+    check_int,
+    fragment_leaves,
+    fragment_offsets,
+)
 
 
 def _axis_size(axis_name, axis_size: int | None) -> int:
     if axis_size is not None:
-        return _check_int("axis_size", axis_size, 1)
+        return check_int("axis_size", axis_size, 1)
     try:
         return int(lax.axis_size(axis_name))
     except NameError:
@@ -190,6 +122,7 @@ def diloco(
     *,
     bucket_bytes: int | None = None,
     axis_size: int | None = None,
+    max_consecutive_skips: int | None = 16,
 ) -> optax.GradientTransformation:
     """DiLoCo / Streaming DiLoCo over local gradients (see the module docstring for the math).
 
@@ -213,6 +146,9 @@ def diloco(
         fragment).
       axis_size: devices on the axis, for ``init`` outside the axis (default: the bound axis
         size, else ``jax.device_count()``).
+      max_consecutive_skips: stop (``FloatingPointError``) once more than this many outer
+        steps in a row were skipped as non-finite, or at a sync where a device has skipped more
+        than this many inner steps in a row; ``None``: never (no host callback, no int32 max).
 
     Returns:
       An ``optax.GradientTransformation`` with a :class:`DiLoCoState`. ``update(grads, state,
@@ -239,9 +175,9 @@ def diloco(
             state, loss = step(state, (x, x @ np.ones((4, 1), np.float32)))
         theta = jc.diloco_params(state.opt_state)  # the outer parameters: evaluate these
     """
-    H = _check_int("sync_every", sync_every, 1)
-    F = _check_int("fragments", fragments, 1)
-    tau = _check_int("overlap_steps", overlap_steps, 0)
+    H = check_int("sync_every", sync_every, 1)
+    F = check_int("fragments", fragments, 1)
+    tau = check_int("overlap_steps", overlap_steps, 0)
     if F > H:
         raise ValueError(
             f"jaxcomm: diloco fragments={F} > sync_every={H}: fragments sync at distinct steps "
@@ -254,7 +190,7 @@ def diloco(
         )
     if isinstance(alpha, int | float) and not 0.0 <= float(alpha) <= 1.0:
         raise ValueError(f"jaxcomm: diloco alpha must be in [0, 1], got {alpha!r}")
-    compressor = _check_compressor(compressor)
+    compressor = check_compressor(compressor)
     for name, tx in (("inner", inner), ("outer", outer)):
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise TypeError(
@@ -278,8 +214,11 @@ def diloco(
             outer=tuple(outer.init(part) for part in parts),
             inflight=tuple([jnp.zeros_like(x) for x in part] for part in parts) if tau else (),
             skipped=jnp.zeros([], jnp.int32),
+            consecutive=jnp.zeros([], jnp.int32),
             devices=jnp.zeros((n,), jnp.int8),
-            local=DiLoCoLocal(inner.init(params), jnp.zeros([], jnp.int32)),
+            local=DiLoCoLocal(
+                inner.init(params), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
+            ),
             comm=tuple(
                 init_state(compressor, part, axis_size=n, bucket_bytes=bucket_bytes)
                 for part in parts
@@ -299,8 +238,9 @@ def diloco(
     def varying(tree):
         return jax.tree.map(lambda x: ensure_varying(x, axis_name), tree)
 
-    def outer_step(delta, theta, outer_state, local, skipped):
-        """Apply the reduced ``delta`` to ``theta``; merge into ``local``; skip if non-finite."""
+    def outer_step(delta, theta, outer_state, local, counts):
+        """Apply the reduced ``delta`` to ``theta``; merge into ``local``; skip if non-finite
+        (``counts``: outer steps skipped, in all and in a row)."""
         updates, new_outer = outer.update(delta, outer_state, theta)
         new_theta = optax.apply_updates(theta, updates)
         checks = [jnp.all(jnp.isfinite(x)) for x in (*delta, *new_theta)]
@@ -316,8 +256,12 @@ def diloco(
                 for th, x in zip(new_theta, local, strict=True)
             ]
         merged = [jnp.where(finite, m, x) for m, x in zip(merged, local, strict=True)]
-        skipped = skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
-        return new_theta, new_outer, varying(merged), skipped
+        skipped, streak = counts
+        counts = (
+            skipped + jnp.where(finite, 0, 1).astype(jnp.int32),
+            jnp.where(finite, 0, streak + 1).astype(jnp.int32),
+        )
+        return new_theta, new_outer, varying(merged), counts
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -347,27 +291,28 @@ def diloco(
         local = [jnp.where(ok, x, p) for x, p in zip(local, param_leaves, strict=True)]
         inner_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), inner_state, state.local.inner)
         inner_nonfinite = state.local.nonfinite + jnp.where(ok, 0, 1).astype(jnp.int32)
+        in_a_row = jnp.where(ok, 0, state.local.consecutive + 1).astype(jnp.int32)
         before = [jnp.asarray(p, f32) for p in param_leaves]  # x_r after the previous step
         theta = list(jax.tree.leaves(state.outer_params))
         t = state.count + 1
         outers, inflights, comms = list(state.outer), list(state.inflight), list(state.comm)
-        skipped = state.skipped
+        counts = (state.skipped, state.consecutive)
         for f, ids in enumerate(fragment_leaves(len(param_leaves), F)):
             th = [theta[i] for i in ids]
             x = varying([local[i] for i in ids])
             if tau == 0:
 
-                def sync(th, x, outer_state, comm, skipped):
+                def sync(th, x, outer_state, comm, counts):
                     delta = [a - b.astype(f32) for a, b in zip(th, x, strict=True)]
                     delta, comm = reduce(delta, comm)
-                    th, outer_state, x, skipped = outer_step(delta, th, outer_state, x, skipped)
-                    return th, x, outer_state, comm, skipped
+                    th, outer_state, x, counts = outer_step(delta, th, outer_state, x, counts)
+                    return th, x, outer_state, comm, counts
 
-                def keep(th, x, outer_state, comm, skipped):
-                    return th, x, outer_state, comm, skipped
+                def keep(th, x, outer_state, comm, counts):
+                    return th, x, outer_state, comm, counts
 
-                th, x, outers[f], comms[f], skipped = lax.cond(
-                    t % H == offsets[f], sync, keep, th, x, outers[f], comms[f], skipped
+                th, x, outers[f], comms[f], counts = lax.cond(
+                    t % H == offsets[f], sync, keep, th, x, outers[f], comms[f], counts
                 )
             else:
                 prev = [before[i] for i in ids]
@@ -384,15 +329,15 @@ def diloco(
                     issued, issue, wait, th, prev, inflights[f], comms[f]
                 )
 
-                def merge(pending, th, outer_state, x, skipped):
-                    return outer_step(pending, th, outer_state, x, skipped)
+                def merge(pending, th, outer_state, x, counts):
+                    return outer_step(pending, th, outer_state, x, counts)
 
-                def hold(pending, th, outer_state, x, skipped):
-                    return th, outer_state, x, skipped
+                def hold(pending, th, outer_state, x, counts):
+                    return th, outer_state, x, counts
 
                 merged = ((t - tau) % H == offsets[f]) & (t - tau >= 1)
-                th, outers[f], x, skipped = lax.cond(
-                    merged, merge, hold, inflights[f], th, outers[f], x, skipped
+                th, outers[f], x, counts = lax.cond(
+                    merged, merge, hold, inflights[f], th, outers[f], x, counts
                 )
             for i, a, b in zip(ids, th, x, strict=True):
                 theta[i], local[i] = a, b
@@ -407,109 +352,25 @@ def diloco(
             outer_params=jax.tree.unflatten(jax.tree.structure(state.outer_params), theta),
             outer=tuple(outers),
             inflight=tuple(inflights),
-            skipped=skipped,
+            skipped=counts[0],
+            consecutive=counts[1],
             devices=state.devices,
-            local=DiLoCoLocal(inner_state, inner_nonfinite),
+            local=DiLoCoLocal(inner_state, inner_nonfinite, in_a_row),
             comm=tuple(comms),
         )
+        if max_consecutive_skips is not None:
+            # Devices do not talk between syncs, and a check that fails on one device only
+            # would leave the others waiting in the next collective: the inner streaks are
+            # compared at the steps that communicate anyway (one int32 max), so a device that
+            # keeps failing stops the run at the next sync.
+            talks = [(t % H == o) if tau == 0 else ((t - 1) % H == o) & (t > 1) for o in offsets]
+            worst = lax.cond(
+                jnp.any(jnp.stack(talks)),
+                lambda x: lax.pmax(x, axis_name),
+                lambda x: jnp.zeros([], jnp.int32),
+                in_a_row,
+            )
+            check_skips(jnp.maximum(worst, counts[1]), max_consecutive_skips, "diloco")
         return new_updates, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _find_diloco(opt_state: PyTree) -> DiLoCoState:
-    found = []
-
-    def visit(node):
-        if isinstance(node, DiLoCoState):
-            found.append(node)
-        return node
-
-    jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState))
-    if len(found) != 1:
-        raise ValueError(
-            f"jaxcomm: expected one DiLoCoState in the optimizer state, found {len(found)}"
-        )
-    return found[0]
-
-
-def diloco_params(opt_state: PyTree) -> PyTree:
-    """``theta``, the outer parameters (fp32) of the :class:`DiLoCoState` in ``opt_state``: the
-    model DiLoCo trains, to evaluate or export (identical on every device)."""
-    return _find_diloco(opt_state).outer_params
-
-
-def resize_diloco_state(
-    state: parallel.TrainState,
-    compressor: Compressor | None,
-    *,
-    new_axis_size: int,
-    bucket_bytes: int | None = None,
-) -> parallel.TrainState:
-    """A DiLoCo :class:`jaxcomm.TrainState` of ``n`` devices, converted for ``new_axis_size``.
-
-    ``state`` is in :mod:`jaxcomm.parallel`'s global layout (per-device leaves stacked
-    ``(n, ...)``), with a :class:`DiLoCoState` as (or anywhere in) its optimizer state. The new
-    devices all start from the **average** of the ``n`` local parameter copies and of the
-    ``n`` inner states (floating leaves; integer leaves, step and non-finite counts: their
-    maximum), as if the interval's local progress were averaged without an outer step;
-    ``theta``, the outer
-    states and any in-flight outer gradient are replicated and kept. The error feedback of
-    every fragment goes through :func:`jaxcomm.resize_state` and is scaled by ``m / n``: the
-    untransmitted part of the *mean* outer gradient, ``T / n`` (``T`` the pending sum), is kept,
-    as :func:`jaxcomm.reshard_train_state` does. Runs on the host (NumPy). ``compressor``
-    and ``bucket_bytes`` as given to :func:`diloco`.
-    """
-    from jaxcomm.resize import resize_state  # host-side tool; keep it off the import path
-
-    compressor = _check_compressor(compressor)
-    m = _check_int("new_axis_size", new_axis_size, 1)
-    old = _find_diloco(state.opt_state)
-    n = int(old.devices.shape[0])
-
-    def regrid(x):
-        x = np.asarray(x)
-        row = x.mean(axis=0).astype(x.dtype) if np.issubdtype(x.dtype, np.floating) else x.max(0)
-        return np.broadcast_to(row[None], (m, *row.shape)).copy()
-
-    theta_leaves = jax.tree.leaves(old.outer_params)
-    groups = fragment_leaves(len(theta_leaves), len(old.comm))
-    comm = []
-    for c, ids in zip(old.comm, groups, strict=True):
-        tree = [theta_leaves[i] for i in ids]
-        c = resize_state(
-            c, compressor, tree, axis_size=n, new_axis_size=m, bucket_bytes=bucket_bytes
-        )
-        # resize_state keeps the pending sum T; the outer gradient is a mean, so keep its
-        # pending share T / n instead: T -> T m / n (the state is linear in T).
-        comm.append(
-            jax.tree.map(
-                lambda x: (
-                    (x * (m / n)).astype(x.dtype) if np.issubdtype(x.dtype, np.floating) else x
-                ),
-                c,
-            )
-        )
-    comm = tuple(comm)
-    new = old._replace(
-        devices=np.zeros((m,), np.int8),
-        local=jax.tree.map(regrid, old.local),
-        comm=comm,
-    )
-    opt_state = jax.tree.map(
-        lambda node: new if node is old else node,
-        state.opt_state,
-        is_leaf=lambda x: isinstance(x, DiLoCoState),
-    )
-    return parallel.TrainState(jax.tree.map(regrid, state.params), opt_state)
-
-
-__all__ = [
-    "DiLoCoLocal",
-    "DiLoCoState",
-    "diloco",
-    "diloco_params",
-    "fragment_leaves",
-    "fragment_offsets",
-    "resize_diloco_state",
-]

@@ -1,10 +1,11 @@
 """DiLoCo and Streaming DiLoCo vs Adam: held-out loss against bytes on the wire.
 
-Trains the demo's character-level LM (``jaxcomm.tools.demo.make_model``: an MLP over 32
-embedded characters, 0.36M parameters, Python's bundled docs, held-out split; the same batches
-as the demo) data-parallel on 8 simulated CPU devices:
+Trains a character-level LM (:func:`make_model`: an MLP over 32 embedded characters, 0.36M
+parameters, Python's bundled docs, held-out split; the model and batches of ``jaxcomm demo``
+before it moved to the byte-level transformer, which has its own ``diloco_int4`` row)
+data-parallel on 8 simulated CPU devices:
 
-* ``adam``: exact fp32 mean of the gradients every step, then ``optax.adam(lr)`` (the demo's
+* ``adam``: exact fp32 mean of the gradients every step, then ``optax.adam(lr)`` (the
   baseline);
 * ``diloco``: ``jc.diloco(optax.adam(lr), optax.sgd(0.7, momentum=0.9, nesterov=True), H,
   compressor=...)``: local Adam steps, every ``H`` steps an all-reduce of the pseudo-gradients
@@ -30,6 +31,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,6 +47,40 @@ RUNS = {
     **{f"h50-f4-tau{tau}-int4": (50, "int4", 4, tau) for tau in range(1, 6)},
 }
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+
+
+@dataclass(frozen=True)
+class Config:
+    """The task's sizes (the README's DiLoCo table)."""
+
+    steps: int = 1500
+    devices: int = 8
+    batch_per_device: int = 32
+    context: int = 32
+    embed: int = 32
+    hidden: int = 256
+    learning_rate: float = 1e-3
+    seed: int = 0
+
+
+def make_model(cfg: Config, vocab_size: int):
+    """A small MLP over embedded context characters (Flax NNX)."""
+    from flax import nnx
+
+    class CharMLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(vocab_size, cfg.embed, rngs=rngs)
+            self.hidden1 = nnx.Linear(cfg.context * cfg.embed, cfg.hidden, rngs=rngs)
+            self.hidden2 = nnx.Linear(cfg.hidden, cfg.hidden, rngs=rngs)
+            self.out = nnx.Linear(cfg.hidden, vocab_size, rngs=rngs)
+
+        def __call__(self, ids):
+            h = self.embed(ids).reshape(*ids.shape[:-1], -1)
+            h = nnx.gelu(self.hidden1(h))
+            h = nnx.gelu(self.hidden2(h))
+            return self.out(h)
+
+    return CharMLP(nnx.Rngs(cfg.seed))
 
 
 def compressor(name: str):
@@ -92,13 +128,12 @@ def train(name: str, cfg, mesh, data, steps: int, eval_every: int) -> dict:
     from flax import nnx
 
     import jaxcomm as jc
-    from jaxcomm.optim.diloco import fragment_leaves, fragment_offsets
-    from jaxcomm.tools import demo
+    from jaxcomm.optim.diloco_state import fragment_leaves, fragment_offsets
 
     H, comp_name, F, tau = RUNS[name]
     axis = mesh.axis_names[0]
     n = mesh.shape[axis]
-    graphdef, params = nnx.split(demo.make_model(cfg, data.vocab_size), nnx.Param)
+    graphdef, params = nnx.split(make_model(cfg, data.vocab_size), nnx.Param)
     params = jax.tree.map(np.asarray, params)
     leaves = jax.tree.leaves(params)
 
@@ -135,7 +170,7 @@ def train(name: str, cfg, mesh, data, steps: int, eval_every: int) -> dict:
         theta = jc.diloco_params(state.opt_state)
         return jax.tree.map(lambda p, t: t.astype(p.dtype), params, theta)
 
-    rng = np.random.default_rng(cfg.seed + 1)  # the demo's batches
+    rng = np.random.default_rng(cfg.seed + 1)  # the old demo's batches
     curve = []
     start = time.perf_counter()
     for i in range(steps):
@@ -202,10 +237,9 @@ def main(argv=None) -> int:
 
     if "JAX_NUM_CPU_DEVICES" not in os.environ:
         jax.config.update("jax_num_cpu_devices", 8)
-    from jaxcomm.tools import demo
     from jaxcomm.tools.textdata import CharBatches
 
-    cfg = demo.DemoConfig(steps=args.steps)
+    cfg = Config(steps=args.steps)
     mesh = jax.make_mesh((cfg.devices,), ("dp",), axis_types=(AxisType.Auto,))
     data = CharBatches.from_corpus(context=cfg.context)
     rows = {}

@@ -125,9 +125,10 @@ def test_demo_refuses_unknown_methods_before_training(capsys, monkeypatch):
 def test_demo_without_the_examples_extra_says_what_to_install(capsys, monkeypatch):
     from jaxcomm.tools import demo
 
-    monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("ran without flax"))
-    monkeypatch.setitem(sys.modules, "flax", None)  # import flax -> ImportError
+    monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("ran without matplotlib"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert main(["demo", "--steps", "2"]) == 2
     err = capsys.readouterr().err
-    assert "needs flax" in err and "pip install 'jaxcomm[examples]'" in err
+    assert "needs matplotlib" in err and "pip install 'jaxcomm[examples]'" in err
+    assert "--plot ''" in err  # the way to run without it
     assert "Traceback" not in err and "ModuleNotFoundError" not in err

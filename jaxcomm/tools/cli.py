@@ -327,16 +327,17 @@ def _run_launch(args: argparse.Namespace) -> int:
 def _add_demo(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="train a Flax NNX model data-parallel with each 1-bit optimizer and compare",
-        description="Train a char-level LM (Python's bundled docs) data-parallel on simulated "
-        "CPU devices with each optimizer of --methods (exact Adam is the baseline); print "
-        "held-out loss, accuracy and bytes on the wire (from the compiled HLO), say which runs "
-        "diverged and why, and plot held-out loss against steps and bytes. Needs the "
-        "'examples' extra (pip install 'jaxcomm[examples]').",
+        help="train a transformer LM data-parallel with each compressed optimizer and compare",
+        description="Train a byte-level transformer LM (all 256 byte values, on Python "
+        "standard-library source) data-parallel on simulated CPU devices with each optimizer "
+        "of --methods (exact Adam is the baseline); print held-out loss, accuracy and bytes on "
+        "the wire (from the compiled HLO), say which runs diverged and why, and plot held-out "
+        "loss against steps and bytes. The plot needs the 'examples' extra (pip install "
+        "'jaxcomm[examples]').",
     )
 
     def run(args):
-        from jaxcomm.tools import demo  # flax, rich and matplotlib: the `examples` extra
+        from jaxcomm.tools import demo  # the plot needs matplotlib (the `examples` extra)
 
         return demo.main_from_args(args)
 

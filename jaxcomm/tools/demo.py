@@ -1,19 +1,27 @@
-"""``jaxcomm demo``: train one Flax NNX model data-parallel with each optimizer and compare.
+"""``jaxcomm demo``: train one language model data-parallel with each optimizer and compare.
 
-A character-level language model (:mod:`jaxcomm.tools.textdata`, Python's bundled documentation, no
-download) is trained on every device of a mesh (8 simulated CPU devices by default) with:
+A byte-level transformer LM (:mod:`jaxcomm.tools.models`: token + position embeddings, 2
+pre-LayerNorm blocks with a fused ``qkv`` bias, 4 heads, 0.135M parameters; the full 256-byte
+vocabulary, unfiltered, so rare bytes' embedding rows and the key part of the ``qkv`` bias get
+(near) zero gradient) is trained on the source of ten Python standard-library modules (no
+download, held-out split) on every device of a mesh (8 simulated CPU devices by default) with:
 
 * ``adam``: exact ``pmean`` of the gradients, then Adam (the baseline);
 * ``compressed_mean``: ``jc.compressed_mean`` (1-bit with error feedback, exact warm-up), then Adam;
-* ``onebit_adam``: DeepSpeed's 1-bit Adam (exact warm-up, then 1-bit momentum);
-* ``zero_one_adam``: 0/1 Adam (variance updates at doubling intervals, then local steps);
+* ``onebit_adam``: 1-bit Adam (exact warm-up, then 1-bit momentum);
+* ``zero_one_adam``: 0/1 Adam (variance updates at doubling intervals, then local steps; its
+  schedule follows the run length, ``total_steps``);
 * ``onebit_lamb``: 1-bit LAMB (exact warm-up, then 1-bit momentum with frozen trust ratios);
+* ``diloco_int4``: ``jc.diloco`` (inner Adam, outer Nesterov SGD 0.7/0.9) with one int4 (error
+  feedback) all-reduce of the outer gradients every ``diloco_sync_every`` (50) steps, evaluated
+  on its outer parameters;
 * ``sharded_int8`` (not in the default list): ``jc.sharded`` Adam (ZeRO 1-2: each device keeps
   the Adam state of its 1/n of the parameters) with int8 gradients (qgZ) and int8 weights (qwZ).
 
-Bytes on the wire. Each optimizer's step is one of three kinds: an *exact* step (fp32 mean of
-a parameter-shaped tree), a *1-bit* step (``OneBit`` mean of such a tree) or a *local* step
-(no communication); ``sharded_int8``'s steps are a fourth kind (an int8 reduce-scatter of the
+Bytes on the wire. Each optimizer's step is one of these kinds: an *exact* step (fp32 mean of
+a parameter-shaped tree), a *1-bit* step (``OneBit`` mean of such a tree), a *local* step
+(no communication), an *int4 sync* (DiLoCo's ``Quantize(bits=4, error_feedback=True)`` mean of
+the parameter-shaped outer gradient) or ``sharded_int8``'s step (an int8 reduce-scatter of the
 gradients and an int8 all-gather of the parameters). The bytes per device of each kind are read
 from the compiled HLO of its collectives on this mesh (:mod:`jaxcomm.hlo`); each optimizer's
 kind of every step is read from its state's counters, so the totals follow what the run did.
@@ -35,31 +43,40 @@ import numpy as np
 
 EXACT, ONEBIT, LOCAL = "exact", "1-bit", "local"
 SHARDED_INT8 = "int8 scatter+gather"
+DILOCO_INT4 = "int4 sync"
 RATES_GBIT = (1, 10, 100)
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Sizes and schedules of the demo (defaults: about a minute per optimizer on 2 cores)."""
+    """Sizes and schedules of the demo (defaults: about half a minute per optimizer on 2 cores;
+    issue 13's task: 768 steps of 8 devices x 8 windows of 32 bytes, ``bucket_bytes=None``)."""
 
-    steps: int = 1500
+    steps: int = 768
     devices: int = 8
-    batch_per_device: int = 32
+    batch_per_device: int = 8
     context: int = 32
-    embed: int = 32
-    hidden: int = 256
+    #: the transformer (:class:`jaxcomm.tools.models.ByteTransformer`)
+    width: int = 64
+    heads: int = 4
+    layers: int = 2
     learning_rate: float = 1e-3
     #: LAMB scales each layer's step by its trust ratio ||p|| / ||update||, so its learning rate
     #: is on another scale (1e-2 here reaches Adam's loss; 1e-3 is far slower).
     lamb_learning_rate: float = 1e-2
     warmup_fraction: float = 0.15
     #: None: one bucket (one 1-bit scale) for the whole model; 1: one per parameter (DeepSpeed).
-    bucket_bytes: int | None = 1
+    bucket_bytes: int | None = None
     #: 0/1 Adam: variance updates per doubling of their interval; frozen-stage steps per doubling
-    #: of the sync interval (DeepSpeed: 16 and 32678, for runs of 100k+ steps).
-    var_update_scaler: int = 16
-    local_step_scaler: int = 8
+    #: of the sync interval (None: the optimizer's defaults; ``local_step_scaler`` then follows
+    #: the run length, ``total_steps``).
+    var_update_scaler: int | None = None
+    local_step_scaler: int | None = None
+    #: DiLoCo: steps between two syncs of the outer parameters (H)
+    diloco_sync_every: int = 50
     eval_every: int = 50
+    #: held-out windows (each predicts ``context`` bytes)
+    held_out: int = 512
     seed: int = 0
     methods: tuple[str, ...] = (
         "adam",
@@ -67,6 +84,7 @@ class DemoConfig:
         "onebit_adam",
         "zero_one_adam",
         "onebit_lamb",
+        "diloco_int4",
     )
 
     @property
@@ -90,24 +108,13 @@ class RunResult:
     seconds: float = 0.0
 
 
-def make_model(cfg: DemoConfig, vocab_size: int):
-    """A small MLP over embedded context characters (Flax NNX)."""
-    from flax import nnx
+def make_model(cfg: DemoConfig):
+    """The byte-level transformer LM of ``cfg`` (parameters: ``make_model(cfg).init(cfg.seed)``)."""
+    from jaxcomm.tools.models import ByteTransformer
 
-    class CharMLP(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.embed = nnx.Embed(vocab_size, cfg.embed, rngs=rngs)
-            self.hidden1 = nnx.Linear(cfg.context * cfg.embed, cfg.hidden, rngs=rngs)
-            self.hidden2 = nnx.Linear(cfg.hidden, cfg.hidden, rngs=rngs)
-            self.out = nnx.Linear(cfg.hidden, vocab_size, rngs=rngs)
-
-        def __call__(self, ids):
-            h = self.embed(ids).reshape(*ids.shape[:-1], -1)
-            h = nnx.gelu(self.hidden1(h))
-            h = nnx.gelu(self.hidden2(h))
-            return self.out(h)
-
-    return CharMLP(nnx.Rngs(cfg.seed))
+    return ByteTransformer(
+        context=cfg.context, width=cfg.width, heads=cfg.heads, layers=cfg.layers
+    )
 
 
 #: Every method ``--methods`` accepts (add a new one here and in :func:`_optimizer`).
@@ -117,6 +124,7 @@ METHODS = (
     "onebit_adam",
     "zero_one_adam",
     "onebit_lamb",
+    "diloco_int4",
     "sharded_int8",
 )
 
@@ -157,17 +165,17 @@ def _optimizer(method: str, cfg: DemoConfig, axis: str):
         tx = jc.onebit_adam(lr, freeze_step=warm, axis_name=axis, bucket_bytes=bb)
         return tx, lambda s: EXACT if int(s.count) < warm else ONEBIT
     if method == "zero_one_adam":
-        # DeepSpeed's schedule scaled down to a short run: variance updates at intervals that
-        # double every var_update_scaler updates until the freeze, then local steps whose sync
-        # interval doubles every local_step_scaler steps up to 16.
+        # jaxcomm's schedule for a run of cfg.steps (the variance freezes with the warm-up).
+        scalers = dict(
+            var_update_scaler=cfg.var_update_scaler, local_step_scaler=cfg.local_step_scaler
+        )
         tx = jc.zero_one_adam(
             lr,
             var_freeze_step=warm,
-            var_update_scaler=cfg.var_update_scaler,
-            local_step_scaler=cfg.local_step_scaler,
-            local_step_clipper=16,
+            total_steps=cfg.steps,
             axis_name=axis,
             bucket_bytes=bb,
+            **{k: v for k, v in scalers.items() if v is not None},
         )
 
         def kind(s) -> str:
@@ -182,6 +190,17 @@ def _optimizer(method: str, cfg: DemoConfig, axis: str):
             cfg.lamb_learning_rate, freeze_step=warm, axis_name=axis, bucket_bytes=bb
         )
         return tx, lambda s: EXACT if int(s.count) < warm else ONEBIT
+    if method == "diloco_int4":
+        H = cfg.diloco_sync_every
+        tx = jc.diloco(
+            optax.adam(lr),
+            optax.sgd(0.7, momentum=0.9, nesterov=True),
+            H,
+            axis,
+            compressor=jc.Quantize(bits=4, error_feedback=True),
+            bucket_bytes=bb,
+        )
+        return tx, lambda s: DILOCO_INT4 if (int(s.count) + 1) % H == 0 else LOCAL
     if method == "sharded_int8":
         return _sharded_int8(optax.adam(lr), axis, bb), lambda s: SHARDED_INT8
     check_methods([method])  # an unknown name: a ValueError listing the valid ones
@@ -219,8 +238,12 @@ def _sharded_int8_bytes(mesh, axis: str, params, bucket_bytes: int | None) -> fl
     return wire_bytes(fn.lower(grads, tree).compile().as_text())
 
 
-def wire_bytes_per_kind(mesh, axis: str, params, bucket_bytes: int | None) -> dict[str, float]:
-    """Bytes per device of an exact and of a 1-bit mean of a parameter-shaped tree (HLO)."""
+def wire_bytes_per_kind(
+    mesh, axis: str, params, bucket_bytes: int | None, methods: tuple[str, ...] = METHODS
+) -> dict[str, float]:
+    """Bytes per device of an exact and a 1-bit mean of a parameter-shaped tree, and (if
+    ``methods`` use them) of an int4 (error feedback) mean and of a ``sharded_int8`` step
+    (HLO)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -231,7 +254,10 @@ def wire_bytes_per_kind(mesh, axis: str, params, bucket_bytes: int | None) -> di
     n = mesh.shape[axis]
     tree = jax.tree.map(lambda p: jax.ShapeDtypeStruct((n, *p.shape), jnp.float32), params)
     out = {LOCAL: 0.0}
-    for kind, comp in ((EXACT, jc.NoCompression()), (ONEBIT, jc.OneBit())):
+    kinds = [(EXACT, jc.NoCompression()), (ONEBIT, jc.OneBit())]
+    if "diloco_int4" in methods:  # DiLoCo's outer gradients
+        kinds.append((DILOCO_INT4, jc.Quantize(bits=4, error_feedback=True)))
+    for kind, comp in kinds:
         local = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
         state = jc.init_state(comp, local, axis_size=n, bucket_bytes=bucket_bytes)
         g_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), state)
@@ -247,16 +273,17 @@ def wire_bytes_per_kind(mesh, axis: str, params, bucket_bytes: int | None) -> di
             jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P(axis)))
         )
         out[kind] = wire_bytes(fn.lower(tree, g_state).compile().as_text())
-    out[SHARDED_INT8] = _sharded_int8_bytes(mesh, axis, params, bucket_bytes)
+    if "sharded_int8" in methods:
+        out[SHARDED_INT8] = _sharded_int8_bytes(mesh, axis, params, bucket_bytes)
     return out
 
 
 def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], None] | None = None):
-    """Train one model with ``method``; returns a :class:`RunResult`."""
+    """Train one model with ``method`` on ``data`` (a :class:`~jaxcomm.tools.models.ByteBatches`);
+    returns a :class:`RunResult`."""
     import jax
     import jax.numpy as jnp
     import optax
-    from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -264,17 +291,12 @@ def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], No
 
     axis = mesh.axis_names[0]
     n = mesh.shape[axis]
-    graphdef, params = nnx.split(make_model(cfg, data.vocab_size), nnx.Param)
-
-    def loss_fn(params, batch):
-        inputs, targets = batch
-        logits = nnx.merge(graphdef, params)(inputs)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
+    model = make_model(cfg)
+    # Host (NumPy) parameters: under jax.distributed the step's state must be built from
+    # process-agnostic data.
+    params = model.init(cfg.seed)
     tx, kind_of = _optimizer(method, cfg, axis)
-    # Host copies: under jax.distributed the step's state must be built from process-agnostic data.
-    params = jax.tree.map(np.asarray, params)
-    step, state = parallel.make_train_step(mesh, axis, loss_fn, tx, params)
+    step, state = parallel.make_train_step(mesh, axis, model.loss, tx, params)
     batch_sharding = NamedSharding(mesh, P(axis))
 
     def global_batch(arrays):
@@ -285,22 +307,13 @@ def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], No
             for a in arrays
         )
 
-    held_inputs, held_targets = data.held_out(2048)
+    held_inputs, held_targets = data.held_out(cfg.held_out)
 
     @jax.jit
     def evaluate(params):
-        logits = nnx.merge(graphdef, params)(held_inputs)
+        logits = model.apply(params, held_inputs)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, held_targets).mean()
         return loss, jnp.mean(jnp.argmax(logits, -1) == held_targets)
-
-    per_device = parallel.params_are_per_device(state.opt_state)
-
-    def consensus(state):
-        # 0/1 Adam's devices drift apart between synchronisations; what the run has learned is
-        # their average (one exact all-reduce, counted in the traffic), not device 0's copy.
-        if per_device:
-            return jax.tree.map(lambda p: jnp.mean(p, axis=0), state.params)
-        return state.params
 
     rng = np.random.default_rng(cfg.seed + 1)  # the same batches for every method
     result = RunResult(method)
@@ -311,17 +324,45 @@ def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], No
         state, loss = step(state, batch)
         result.losses.append(float(loss))
         if (i + 1) % cfg.eval_every == 0 or i + 1 == cfg.steps:
-            eval_loss, accuracy = evaluate(consensus(state))
+            eval_loss, accuracy = evaluate(evaluated_params(state))
             result.eval_steps.append(i + 1)
             result.eval_losses.append(float(eval_loss))
         if progress is not None:
             progress(1)
     result.seconds = time.perf_counter() - start
-    if per_device:
+    if _averaged(state.opt_state):
         result.final_kinds.append(EXACT)
     result.final_eval_loss = result.eval_losses[-1]
     result.final_accuracy = float(accuracy)
     return result
+
+
+def _averaged(opt_state) -> bool:
+    import jaxcomm as jc
+
+    diloco = isinstance(opt_state, jc.DiLoCoState)
+    return jc.parallel.params_are_per_device(opt_state) and not diloco
+
+
+def evaluated_params(state):
+    """The model a run is evaluated on, from its ``jc.TrainState``.
+
+    DiLoCo: its outer parameters (``jc.diloco_params``, replicated: no communication; the
+    local copies drift between syncs). Per-device parameters otherwise (0/1 Adam, whose devices
+    drift apart between synchronisations): their average, one exact all-reduce that the demo
+    counts in the traffic. Else the (replicated) parameters.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import jaxcomm as jc
+
+    if isinstance(state.opt_state, jc.DiLoCoState):
+        theta = jc.diloco_params(state.opt_state)
+        return jax.tree.map(lambda p, t: t.astype(p.dtype), state.params, theta)
+    if _averaged(state.opt_state):
+        return jax.tree.map(lambda p: jnp.mean(p, axis=0), state.params)
+    return state.params
 
 
 def summarize(
@@ -344,7 +385,7 @@ def summarize(
             accuracy=r.final_accuracy,
             bytes_per_step=total / len(r.kinds),  # the final average is spread over the run
             total_bytes=total,
-            steps={k: r.kinds.count(k) for k in (EXACT, ONEBIT, LOCAL, SHARDED_INT8)},
+            steps={k: r.kinds.count(k) for k in (EXACT, ONEBIT, LOCAL, DILOCO_INT4, SHARDED_INT8)},
             seconds=r.seconds,
         )
         for rate in RATES_GBIT:
@@ -382,7 +423,7 @@ def run(
     from rich.progress import Progress
 
     from jaxcomm.tools import demo_report
-    from jaxcomm.tools.textdata import CharBatches
+    from jaxcomm.tools.models import ByteBatches
 
     if jax.process_count() > 1:
         n = len(jax.devices())  # every process's devices
@@ -391,16 +432,14 @@ def run(
         n = min(cfg.devices, len(jax.devices()))
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("dp",), axis_types=(AxisType.Auto,))
     lead = jax.process_index() == 0
-    data = CharBatches.from_corpus(context=cfg.context)
+    data = ByteBatches.from_corpus(context=cfg.context)
     results = []
     with Progress(disable=not lead, console=Console(stderr=True)) as bar:
         for method in cfg.methods:
             task = bar.add_task(f"{method:>16}", total=cfg.steps)
             results.append(train(method, cfg, mesh, data, lambda k, t=task: bar.advance(t, k)))
-    from flax import nnx
-
-    _, params = nnx.split(make_model(cfg, data.vocab_size), nnx.Param)
-    bytes_per_kind = wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes)
+    params = make_model(cfg).init(cfg.seed)
+    bytes_per_kind = wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes, cfg.methods)
     rows = summarize(results, bytes_per_kind, cfg.warmup_steps)
     if not lead:
         return rows
@@ -493,24 +532,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def missing_extra(plot: bool) -> str | None:
-    """What to install when the ``examples`` extra (flax, matplotlib) is missing, else None."""
+    """What to install when the plot needs matplotlib (the ``examples`` extra) and it is
+    missing, else None. The demo itself needs only the core dependencies (its model is plain
+    JAX)."""
     import importlib.util
 
-    needed = ["flax"] + (["matplotlib"] if plot else [])
-    missing = []
-    for name in needed:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):  # a None entry in sys.modules, a broken install
-            found = False
-        if not found:
-            missing.append(name)
-    if not missing:
+    if not plot:
+        return None
+    try:
+        found = importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # a None entry in sys.modules, a broken install
+        found = False
+    if found:
         return None
     return (
-        f"jaxcomm demo needs {' and '.join(missing)} (the 'examples' extra): "
-        f"pip install 'jaxcomm[examples]'" + (" (or pass --plot '' to skip the plot)"
-                                              if missing == ["matplotlib"] else "")
+        "jaxcomm demo needs matplotlib for its plot (the 'examples' extra): "
+        "pip install 'jaxcomm[examples]' (or pass --plot '' to skip the plot)"
     )
 
 

@@ -94,6 +94,11 @@ def nonfinite_steps(result) -> list[int]:
 def _likely_cause(method: str, step: int, warmup_steps: int | None) -> str:
     if warmup_steps is None:
         return "the learning rate or the warm-up length is likely wrong for this run"
+    if method.startswith("diloco"):  # no warm-up: local steps, then an outer step per sync
+        return (
+            "the learning rate is likely too high for the local steps, or the outer step too "
+            "large for what they drifted; try a smaller --lr"
+        )
     if method in ("adam", "sharded_int8") or step <= warmup_steps:
         phase = "" if method in ("adam", "sharded_int8") else " (during the exact warm-up)"
         return (
@@ -186,7 +191,7 @@ def format_report(
 ) -> str:
     """The demo's result as plain text, every line at most :data:`MAX_WIDTH` columns."""
     out = [
-        f"jaxcomm demo: char-level LM, {devices} devices, data parallel, {steps} steps "
+        f"jaxcomm demo: byte-level transformer LM, {devices} devices, {steps} steps "
         f"(exact warm-up: {warmup_steps})",
         "",
     ]
@@ -239,7 +244,13 @@ def format_report(
         "",
         f"Bytes per device per step, from the compiled HLO: exact mean "
         f"{_human(bytes_per_kind[exact])}, 1-bit mean {_human(bytes_per_kind[onebit])} "
-        f"({bytes_per_kind[exact] / bytes_per_kind[onebit]:.1f}x less).",
+        f"({bytes_per_kind[exact] / bytes_per_kind[onebit]:.1f}x less)"
+        + "".join(
+            f", {kind} {_human(b)} ({bytes_per_kind[exact] / b:.1f}x less)"
+            for kind, b in bytes_per_kind.items()
+            if b and kind not in (exact, onebit, local) and any(r["steps"].get(kind) for r in rows)
+        )
+        + ".",
         "Link columns: total bytes per device / link rate (communication time only).",
     ]
     for d in divergences(rows):
@@ -357,6 +368,7 @@ LABELS = {
     "onebit_adam": "1-bit Adam (`onebit_adam`)",
     "zero_one_adam": "0/1 Adam (`zero_one_adam`)",
     "onebit_lamb": "1-bit LAMB (`onebit_lamb`)",
+    "diloco_int4": "DiLoCo H=50, int4 + EF outer gradients (`diloco`)",
     "sharded_int8": "`jc.sharded` Adam, int8 grads + int8 weights",
 }
 

@@ -7,6 +7,7 @@ import optax
 import pytest
 from conftest import NUM_DEVICES
 from quantize_reference import dequantize, layout, quantize
+from test_examples import EPS32, assert_params_close
 
 import jaxcomm as jc
 from jaxcomm.hlo import collectives_in_hlo, wire_bytes
@@ -81,8 +82,14 @@ def test_exact_sharded_equals_plain_data_parallel(mesh, name):
     for batch in batches():
         state, _ = step(state, batch)
     reference = full_batch_optax(INNER[name](), params, batches())
-    # Exact collectives: only the order of the fp32 sums differs (reduce-scatter vs all-reduce).
-    assert_close(state.params, reference)
+    # Exact collectives: only the order of the fp32 sums differs (reduce-scatter vs all-reduce),
+    # a few ulps per step that Adam's 1/sqrt(v) can amplify on one coordinate: compared over
+    # the whole tree, relative to the distance travelled (bound: 100 eps per step).
+    assert_params_close(state.params, reference, start=params, steps=STEPS)
+    # The criterion tells a real bug apart: the same run missing its last step fails it.
+    short = full_batch_optax(INNER[name](), params, batches(steps=STEPS - 1))
+    with pytest.raises(AssertionError, match="after 6 steps"):
+        assert_params_close(state.params, short, start=params, steps=STEPS)
     # Parameters stay replicated (the gathered result is identical on every device).
     assert all(p.sharding.is_fully_replicated for p in jax.tree.leaves(state.params))
 
@@ -296,14 +303,16 @@ def test_flax_nnx_sharded_example():
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    losses = []
+    start, losses = jax.tree.map(np.asarray, params), []
     for batch in out["batches"]:
         params, opt_state, loss = reference_step(params, opt_state, batch)
         losses.append(float(loss))
-    np.testing.assert_allclose(exact, losses, rtol=1e-5)
+    # Only the order of the fp32 sums differs (see assert_params_close): losses to 100 eps per
+    # step, the parameters over the whole tree.
+    steps = len(losses)
+    np.testing.assert_allclose(exact, losses, rtol=steps * 100 * EPS32)
     got = nnx.state(out["models"]["exact"], nnx.Param)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-6)
+    assert_params_close(got, params, start=start, steps=steps)
 
 
 def test_demo_sharded_int8_method(mesh):

@@ -50,9 +50,14 @@ def _reduce(tree, state, axis_name, compressor, bucket_bytes, *, mean: bool, op:
     """All-reduce (concatenated layout) or reduce-scatter (rank-major rows) of every bucket."""
     axis_size = bound_axis_size(axis_name)
     leaves, treedef, buckets = plan_tree(tree, compressor, bucket_bytes)
-    state, restore = as_local_block(state, compressor, buckets, axis_size, op)
-    checked = check_state(state, compressor, buckets, axis_name, axis_size, op, bucket_bytes)
     scatter = op == "reduce_scatter"
+    local, restore = as_local_block(state, compressor, buckets, axis_size, op)
+    checked = check_state(local, compressor, buckets, axis_name, axis_size, op, bucket_bytes)
+    # A compressor that computes in the (1, *local) block layout gets the blocks themselves, so
+    # that XLA updates the donated buffers in place (a squeeze and its inverse around the update
+    # cost a fresh buffer and a copy per state leaf on XLA:CPU).
+    blocks = local is not state and not scatter and compressor.takes_state_blocks
+    bucket_states = state.buckets if blocks else checked.buckets
     finites = []
 
     def one_bucket(bucket, bucket_state):
@@ -91,8 +96,10 @@ def _reduce(tree, state, axis_name, compressor, bucket_bytes, *, mean: bool, op:
             return [p.astype(d) for p, d in zip(pieces, dtypes, strict=True)], bucket_state
         return layout.unflatten_bucket(out, bucket, dtypes), bucket_state
 
-    out, new_states = layout.map_buckets(one_bucket, buckets, len(leaves), checked.buckets)
-    kept = restore(keep_finite(state, new_states, finites))
+    out, new_states = layout.map_buckets(one_bucket, buckets, len(leaves), bucket_states)
+    kept = keep_finite(state, new_states, finites) if blocks else restore(
+        keep_finite(local, new_states, finites)
+    )
     return jax.tree_util.tree_unflatten(treedef, out), kept
 
 

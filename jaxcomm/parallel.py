@@ -44,7 +44,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm._compat import ensure_varying
-from jaxcomm.state import holds_per_device_params, is_per_device, per_device_types
+from jaxcomm.state import (
+    ReduceState,
+    ScatterState,
+    holds_per_device_params,
+    is_per_device,
+    per_device_types,
+)
 from jaxcomm.state import register_per_device_type as register_per_device_type
 
 PyTree = Any
@@ -67,11 +73,16 @@ class TrainState(NamedTuple):
     opt_state: PyTree
 
 
-def _map_by_kind(state: PyTree, per_device: Callable, replicated: Callable) -> PyTree:
-    """Apply ``per_device`` to leaves inside per-device nodes, ``replicated`` to all others."""
+def _map_by_kind(
+    state: PyTree, per_device: Callable, replicated: Callable, keep: tuple[type, ...] = ()
+) -> PyTree:
+    """Apply ``per_device`` to leaves inside per-device nodes, ``replicated`` to all others
+    (per-device nodes of a ``keep`` type are left as they are)."""
 
     def visit(node):
         if is_per_device(node):
+            if isinstance(node, keep):
+                return node
             return jax.tree.map(per_device, node)
         return replicated(node)
 
@@ -132,13 +143,20 @@ def train_state_specs(state: TrainState, axis_name: str) -> TrainState:
     )
 
 
-def _rows(tree: PyTree, fn: Callable) -> PyTree:
+def _rows(tree: PyTree, fn: Callable, keep: tuple[type, ...] = ()) -> PyTree:
     """Apply ``fn`` to the per-device leaves (and per-device parameters of a TrainState)."""
     if isinstance(tree, TrainState):
         per_dev = params_are_per_device(tree.opt_state)
         params = jax.tree.map(fn, tree.params) if per_dev else tree.params
-        return TrainState(params, _rows(tree.opt_state, fn))
-    return _map_by_kind(tree, fn, lambda x: x)
+        return TrainState(params, _rows(tree.opt_state, fn, keep))
+    return _map_by_kind(tree, fn, lambda x: x, keep)
+
+
+#: Error-feedback states stay ``(1, *local)`` blocks in the shard_map body: the collectives take
+#: them in that layout, and a compressor that computes in it (``Compressor.takes_state_blocks``)
+#: updates the donated buffers in place; squeezed to ``(*local)`` and back, the same update is
+#: a fresh buffer plus a copy on XLA:CPU (its in-place rule does not see through the reshape).
+_BLOCK_STATES = (ReduceState, ScatterState)
 
 
 def stack_per_device(local_state: PyTree, n: int) -> PyTree:
@@ -151,13 +169,18 @@ def stack_per_device(local_state: PyTree, n: int) -> PyTree:
 
 
 def local_view(state: PyTree) -> PyTree:
-    """Inside ``shard_map``: per-device leaves arrive as ``(1, *local)`` blocks; drop that axis."""
-    return _rows(state, lambda x: x[0])
+    """Inside ``shard_map``: per-device leaves arrive as ``(1, *local)`` blocks; drop that axis.
+
+    Error-feedback states (``jc.ReduceState``, ``jc.ScatterState``) stay blocks: only the
+    collectives read them, they take either layout, and in the block layout XLA updates them in
+    place.
+    """
+    return _rows(state, lambda x: x[0], _BLOCK_STATES)
 
 
 def global_view(state: PyTree) -> PyTree:
     """Inverse of :func:`local_view`, before returning a state from the ``shard_map`` body."""
-    return _rows(state, lambda x: x[None])
+    return _rows(state, lambda x: x[None], _BLOCK_STATES)
 
 
 def init_opt_state(tx: optax.GradientTransformation, params: PyTree, axis_name: str, n: int):

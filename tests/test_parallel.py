@@ -97,14 +97,23 @@ def test_pmap_step_matches_shard_map_step(mesh, which):
         )
     step, state = jc.make_train_step(mesh, "dp", loss_only, tx, params)
     pstep, pstate = jc.make_pmap_train_step("dp", loss_only, tx, params)
-    for _ in range(6):
+    # The same algorithm, not the same program: under shard_map the error feedback stays in
+    # (1, *local) blocks (updated in place), under pmap it is (*local), so XLA may sum the 1-bit
+    # scales' norms in another order. The bound is fp32 rounding over the steps taken.
+    steps = 6
+    rtol = steps * 10 * np.finfo(np.float32).eps
+    for _ in range(steps):
         state, loss = step(state, batch)
         pstate, ploss = pstep(pstate, batch)
-        assert float(loss) == float(ploss)
+        np.testing.assert_allclose(float(ploss), float(loss), rtol=rtol)
     got = jc.from_pmap_layout(pstate)
     assert jax.tree.structure(got) == jax.tree.structure(state)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(state), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        a, b = np.asarray(a), np.asarray(b)
+        if not np.issubdtype(b.dtype, np.floating):
+            np.testing.assert_array_equal(a, b)
+            continue
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.max(np.abs(b)) + 1e-30))
 
 
 def test_no_hidden_gradient_all_reduce(mesh):

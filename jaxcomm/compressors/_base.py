@@ -46,6 +46,13 @@ class Compressor(abc.ABC):
     #: ``"concatenated"`` ``(N,)`` (a compressor that reduces the whole bucket, as PowerSGD).
     scatter_layout: str = "rank_major"
 
+    #: True when :meth:`all_reduce_bucket` and :meth:`guarded_all_reduce_bucket` also take state
+    #: leaves as ``(1, *local)`` blocks (the layout ``shard_map`` hands a per-device state in)
+    #: and return them in it. XLA:CPU updates a donated buffer in place only when the update
+    #: keeps its shape, so computing in the block layout saves a copy and a fresh buffer per
+    #: state leaf on every step.
+    takes_state_blocks: bool = False
+
     def compute_dtype(self, dtype: np.dtype) -> np.dtype:
         """Dtype of the buffer a floating leaf of ``dtype`` is reduced in."""
         return np.dtype(np.float32)

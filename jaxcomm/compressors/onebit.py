@@ -59,27 +59,29 @@ def _weighted_sign_sum(packed: jax.Array, weights: jax.Array) -> jax.Array:
 def _plus_error(flat: jax.Array, error: jax.Array, sizes, axis_name) -> jax.Array:
     """``pad(flat, len(error)) + error``, written leaf by leaf into one fresh buffer.
 
-    ``flat`` is a bucket's concatenation of leaves of ``sizes``. XLA:CPU emits a concatenate
-    or a pad element by element with a branch per operand, several times slower than the
-    memory traffic (the fused concatenate + add of a 64 MiB bucket took 260 ms of a 400 ms
-    1-bit Adam step). XLA folds each ``slice`` of the concatenate back to its leaf, so here
-    every leaf's producer (e.g. an optimizer's momentum update) and its slice of the error are
-    written straight into their slice of one buffer (``dynamic_update_slice`` in place).
+    ``flat`` is a bucket's concatenation of leaves of ``sizes``; ``error`` is ``(Np,)`` or a
+    ``(1, Np)`` block, and the result has its shape. XLA:CPU emits a concatenate or a pad
+    element by element with a branch per operand, several times slower than the memory traffic
+    (the fused concatenate + add of a 64 MiB bucket took 260 ms of a 400 ms 1-bit Adam step).
+    XLA folds each ``slice`` of the concatenate back to its leaf, so here every leaf's producer
+    (e.g. an optimizer's momentum update) and its slice of the error are written straight into
+    their slice of one buffer (``dynamic_update_slice`` in place).
     """
-    numel, padded = flat.shape[0], error.shape[0]
+    numel, padded = flat.shape[0], error.shape[-1]
+    lead = error.shape[:-1]
     if numel == padded and len(sizes) <= 1:
-        return flat + error
+        return flat.reshape(error.shape) + error
     # The barrier keeps XLA from folding the first update into a pad of zeros (slow again).
-    buf = ensure_varying(lax.optimization_barrier(jnp.zeros((padded,), flat.dtype)), axis_name)
+    buf = ensure_varying(lax.optimization_barrier(jnp.zeros(error.shape, flat.dtype)), axis_name)
     offset = 0
     for size in sizes:
-        part = lax.slice(flat, (offset,), (offset + size,)) + lax.slice(
-            error, (offset,), (offset + size,)
-        )
-        buf = lax.dynamic_update_slice(buf, part, (offset,))
+        part = lax.slice(flat, (offset,), (offset + size,)).reshape(*lead, size)
+        part = part + lax.slice_in_dim(error, offset, offset + size, axis=-1)
+        buf = lax.dynamic_update_slice_in_dim(buf, part, offset, axis=-1)
         offset += size
     if padded > numel:  # the padding's input is zero: the sum is the error's tail
-        buf = lax.dynamic_update_slice(buf, lax.slice(error, (numel,), (padded,)), (numel,))
+        tail = lax.slice_in_dim(error, numel, padded, axis=-1)
+        buf = lax.dynamic_update_slice_in_dim(buf, tail, numel, axis=-1)
     return buf
 
 
@@ -114,14 +116,15 @@ class OneBit(Compressor):
     """
 
     returns_mean = True
+    takes_state_blocks = True
 
     def finite_probe(self, output, state) -> list[jax.Array]:
         # A non-finite input makes a scale (an L2 norm) non-finite, and every element of a chunk
         # is scale * sign: one element per output chunk and the first element of each error
         # buffer decide finiteness exactly, without another pass over the buffers.
-        probes = [x[:1] for x in state]
+        probes = [x.reshape(-1)[:1] for x in state]
         if isinstance(state, OneBitState):
-            step = state.server_error.shape[0]
+            step = state.server_error.shape[-1]
             probes.append(output[::step])
         else:
             probes.append(output[:1])
@@ -147,7 +150,7 @@ class OneBit(Compressor):
         scales are gathered before the residual is written, so that choice fuses into the pass
         that writes it instead of costing a pass of its own.
         """
-        scale = jnp.sqrt(jnp.sum(jnp.square(buf))) / math.sqrt(buf.shape[0])
+        scale = jnp.sqrt(jnp.sum(jnp.square(buf))) / math.sqrt(buf.size)
         scales = lax.all_gather(ensure_varying(scale, axis_name), axis_name)
         packed = ensure_varying(pack_signs(buf).reshape(axis_size, -1), axis_name)
         new_error = buf - scale * _sign(buf)
@@ -166,14 +169,24 @@ class OneBit(Compressor):
         compensated, worker_error, finite = self._exchange(
             buf, state.worker_error, axis_name, axis_size, guard
         )
-        compensated = compensated + state.server_error
-        scale = jnp.sqrt(jnp.sum(jnp.square(compensated))) / math.sqrt(compensated.shape[0])
-        scales = all_gather_replicated(scale, axis_name)
-        server_error = compensated - scale * _sign(compensated)
+        # Stage 3 (server, this device's chunk): c = sum_j s_w[j]/n sgn_j + e_s, computed in
+        # e_s's shape so that XLA writes it over the (donated) e_s in place; with the guard, e_s
+        # itself when a worker scale was not finite.
+        c = state.server_error + compensated.reshape(state.server_error.shape)
         if guard:
-            finite = finite & jnp.all(jnp.isfinite(scales))
-            server_error = jnp.where(finite, server_error, state.server_error)
-        signs = all_gather_replicated(pack_signs(compensated), axis_name)
+            c = jnp.where(finite, c, state.server_error)
+        scale = jnp.sqrt(jnp.sum(jnp.square(c))) / math.sqrt(c.shape[-1])
+        if guard:  # a non-finite input makes the output non-finite (NaN scales), as unguarded
+            scale = jnp.where(finite, scale, jnp.nan)
+        scales = all_gather_replicated(scale, axis_name)
+        server_error = c - scale * _sign(c)
+        if guard:
+            # Not finite: c is e_s, kept. Finite inputs whose server sum overflowed (|c| >
+            # 3.4e38) leave no finite e_s to keep: it restarts from zero, no Inf is stored.
+            server_ok = jnp.all(jnp.isfinite(scales))
+            server_error = jnp.where(server_ok, server_error, jnp.where(finite, 0.0, c))
+            finite = finite & server_ok
+        signs = all_gather_replicated(pack_signs(c), axis_name)
         out = (unpack_signs(signs) * scales[:, None]).reshape(-1)[:numel]
         return out, OneBitState(worker_error, server_error), finite
 

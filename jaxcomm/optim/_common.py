@@ -5,7 +5,6 @@ Private to the subpackage (the module name starts with ``_``; its names do not).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -204,20 +203,16 @@ def apply_mask(tree: PyTree, mask: PyTree | None) -> PyTree:
 def all_finite(*trees: PyTree) -> jax.Array:
     """One bool scalar: every element of every leaf is finite.
 
-    Decided as ``isfinite(max(|x|))`` (the max propagates NaN, ``|Inf|`` is not finite): one
-    reduction per leaf that XLA fuses into the pass producing ``x`` (for a 1-bit mean: a read of
-    the packed signs), instead of a boolean array per leaf. The result is replicated when the
-    trees are.
+    One ``all(isfinite(x))`` per leaf, combined with ``&``: a boolean reduction that XLA:CPU fuses
+    into the pass producing ``x`` (for a 1-bit mean: a read of the packed signs). A float sum or
+    max would be handed to a library reduction that needs its input materialised, a fresh
+    buffer per leaf. The result is replicated when the trees are.
     """
-    leaves = [x for t in trees for x in jax.tree.leaves(t)]
-    peaks = [
-        jnp.max(jnp.abs(x)).astype(jnp.float32)
-        for x in leaves
-        if jnp.size(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-    ]
-    if not peaks:
-        return jnp.asarray(True)
-    return jnp.isfinite(functools.reduce(jnp.maximum, peaks))
+    ok = jnp.asarray(True)
+    for x in (x for t in trees for x in jax.tree.leaves(t)):
+        if jnp.size(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(x))
+    return ok
 
 
 def keep_if(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:

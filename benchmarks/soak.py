@@ -17,7 +17,9 @@ Checked and reported (JSON on stdout, with ``--json PATH`` also to a file):
   run equal those of an uninterrupted run bit for bit.
 * memory: each rank's RSS at the start (after the first step), middle and end.
 * error feedback: ``|e_w| / |m|`` (the 1-bit worker residual relative to the momentum it
-  compresses) and ``|e_w| / |g|`` (relative to the gradient), sampled over the run.
+  compresses: ``m / denom`` with ``jc.onebit_adam``'s default preconditioning, see
+  :func:`compressed_momentum`) and ``|e_w| / |g|`` (relative to the gradient), sampled over
+  the run.
 
     python benchmarks/soak.py [--steps 20000] [--ckpt-every 1000] [--kill-at 10500]
         [--rate 1gbit] [--reference] [--json PATH]
@@ -41,6 +43,21 @@ IN, HIDDEN, OUT, BATCH = 16, 64, 16, 32  # BATCH per rank
 
 # --------------------------------------------------------------------------------------------
 # Worker (one rank; run by `jaxcomm launch`).
+
+
+B2, EPS, VARIANCE_FLOOR = 0.999, 1e-8, 0.1  # jc.onebit_adam's defaults, as the soak runs it
+
+
+def compressed_momentum(mu, nu, freeze_step: int):
+    """What 1-bit Adam's all-reduce compresses after the freeze, for one leaf: ``m / denom``
+    (default ``precondition``), ``denom = max(sqrt(v_hat), floor * sqrt(mean(v_hat))) + eps``
+    with ``v_hat = v / (1 - b2^freeze_step)`` (the frozen, bias-corrected variance)."""
+    import numpy as np
+
+    m = np.asarray(mu.addressable_data(0), np.float64)
+    v = np.asarray(nu.addressable_data(0), np.float64) / (1 - B2**freeze_step)
+    denom = np.maximum(np.sqrt(v), VARIANCE_FLOOR * np.sqrt(np.mean(v))) + EPS
+    return m / denom
 
 
 def _rss_mb() -> float:
@@ -86,7 +103,7 @@ def worker(args) -> int:
         y = np.sin(x @ teacher) + 0.05 * r.normal(size=(n * BATCH, OUT)).astype(np.float32)
         return x, y
 
-    tx = jc.onebit_adam(1e-3, freeze_step=args.freeze_step, axis_name="dp")
+    tx = jc.onebit_adam(1e-3, b2=B2, freeze_step=args.freeze_step, axis_name="dp")
     step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
     specs = jc.train_state_specs(state, "dp")
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
@@ -145,8 +162,12 @@ def worker(args) -> int:
             e_w = np.asarray(bucket.worker_error.addressable_data(0))
             mu = np.concatenate(
                 [
-                    np.ravel(np.asarray(m.addressable_data(0)))
-                    for m in jax.tree.leaves(state.opt_state.mu)
+                    np.ravel(compressed_momentum(m, v, args.freeze_step))
+                    for m, v in zip(
+                        jax.tree.leaves(state.opt_state.mu),
+                        jax.tree.leaves(state.opt_state.nu),
+                        strict=True,
+                    )
                 ]
             )
             g = np.concatenate([np.ravel(np.asarray(v)) for v in jax.tree.leaves(g_local)])

@@ -70,11 +70,10 @@ def test_nonfinite_steps_are_skipped_exactly(name):
     for k in SHAPES:
         np.testing.assert_array_equal(got[-1][k], want[-1][k], err_msg=k)
     assert all(np.all(np.isfinite(p[k])) for p in got for k in SHAPES)
-    if name != "sharded":  # ShardedState has no counter yet (see jaxcomm.optim.sharded)
-        assert skip_counters(state.opt_state) == (0, 5)
+    assert skip_counters(state.opt_state) == (0, 5)
 
 
-@pytest.mark.parametrize("name", [n for n in BUILDERS if n != "sharded"])
+@pytest.mark.parametrize("name", list(BUILDERS))
 def test_too_many_consecutive_skips_raise(name):
     clean = grad_steps(3, seed=22)
     steps = clean[:1] + [poisoned(clean[1], np.nan)] * 3

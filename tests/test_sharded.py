@@ -132,11 +132,12 @@ def test_optimizer_state_memory_is_one_nth(mesh, capsys):
     qwz_b = opt_state_bytes_per_device(qwz_state.opt_state)
     # Plain: Adam's mu and nu, fp32, replicated, plus two int32 counts (Adam, compressed_mean).
     assert plain_b == 2 * 4 * numel + 8
-    # Sharded: the same for the ceil(numel/n) shard of every leaf, plus the count.
+    # Sharded: the same for the ceil(numel/n) shard of every leaf, plus Adam's count and the
+    # two int32 skip counters (skipped, skipped_total).
     shard = sum(-(-p.size // N) for p in params.values())
-    assert sharded_b == 2 * 4 * shard + 4
+    assert sharded_b == 2 * 4 * shard + 4 + 8
     assert shard - numel / N < len(params)  # padding: < 1 element per leaf
-    assert sharded_b <= plain_b / N + 2 * 4 * len(params) + 4
+    assert sharded_b <= plain_b / N + 2 * 4 * len(params) + 4 + 8
     # qwZ keeps the exact master shard on its owner as well (and one bool).
     assert qwz_b == sharded_b + 4 * shard + 1
     with capsys.disabled():

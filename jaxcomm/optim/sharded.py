@@ -65,6 +65,7 @@ from jaxcomm.compressors import Compressor, NoCompression
 from jaxcomm.optim._common import (
     all_finite,
     check_compressor,
+    check_skips,
     keep_if,
     resolve_axis_size,
     static_bucket_bytes,
@@ -84,11 +85,16 @@ class ShardedState(NamedTuple):
       comm: error feedback of the compressed reduce-scatter (``jc.ScatterState``; no leaves for
         exact or feedback-free compressors).
       master: a :class:`MasterShards` when the gather is lossy, else ``()``.
+      skipped: int32 scalar: steps skipped in a row because the mean gradient or the update
+        was not finite (the same on every device: they skip together).
+      skipped_total: int32 scalar: all steps skipped so far.
     """
 
     inner: PyTree
     comm: ScatterState
     master: MasterShards | tuple
+    skipped: jax.Array
+    skipped_total: jax.Array
 
 
 class MasterShards(NamedTuple):
@@ -147,6 +153,7 @@ def sharded(
     gather_compressor: Compressor | None = None,
     bucket_bytes: int | None = None,
     axis_size: int | None = None,
+    max_consecutive_skips: int | None = 16,
 ) -> optax.GradientTransformation:
     """``tx`` applied ZeRO-style: each device updates only its ``1/n`` share of the parameters.
 
@@ -166,6 +173,8 @@ def sharded(
       bucket_bytes: bucket size of both collectives (``None``: one bucket per dtype).
       axis_size: size of the axis for ``init`` when it runs outside the axis (the
         ``nnx.Optimizer`` / :func:`jaxcomm.stack_per_device` route); else read from the axis.
+      max_consecutive_skips: stop (``FloatingPointError``) once more than this many steps in
+        a row were skipped as non-finite; ``None``: never (no per-step host callback).
 
     ``init`` slices this device's parameter shard where the axis is bound (under
     ``jc.make_train_step``, ``jc.init_opt_state`` or ``pmap``). Outside it, the inner state is
@@ -203,7 +212,8 @@ def sharded(
                 jax.tree.map(jnp.zeros_like, shards) if unbound else shards,
                 jnp.asarray(not unbound),
             )
-        return ShardedState(tx.init(shards), comm, master)
+        zero = jnp.zeros([], jnp.int32)
+        return ShardedState(tx.init(shards), comm, master, zero, zero)
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -251,8 +261,9 @@ def sharded(
         if keep_master:
             master = keep_if(ok, master, MasterShards(own, valid))
         delta = jax.tree.map(lambda d: jnp.where(ok, d, jnp.zeros_like(d)), delta)
-        # No skip counter here yet (jaxcomm.reshard builds ShardedState from its three fields);
-        # the inner transformation can count (e.g. wrap it in optax.apply_if_finite).
-        return delta, ShardedState(inner, comm, master)
+        skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
+        total = state.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32)
+        check_skips(skipped, max_consecutive_skips, "sharded")
+        return delta, ShardedState(inner, comm, master, skipped, total)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -41,6 +41,7 @@ def tiny_run(tmp_path_factory):
         warmup_fraction=0.5,
         var_update_scaler=8,
         local_step_scaler=2,
+        local_step_clipper=4,
         diloco_sync_every=10,
         eval_every=20,
         held_out=64,
@@ -70,7 +71,7 @@ def test_step_kinds_follow_each_optimizer_schedule(tiny_run):
     warm = cfg.warmup_steps
     assert runs["adam"].kinds == [demo.EXACT] * cfg.steps
     assert runs["onebit_adam"].kinds == [demo.EXACT] * warm + [demo.ONEBIT] * (cfg.steps - warm)
-    expected = zero_one_schedule(cfg.steps, warm, 8, 2, 16)
+    expected = zero_one_schedule(cfg.steps, warm, 8, 2, 4)
     assert runs["zero_one_adam"].kinds == expected
     assert demo.LOCAL in expected  # the tiny schedule reaches local steps
     syncs = [demo.DILOCO_INT4 if t % 10 == 0 else demo.LOCAL for t in range(1, cfg.steps + 1)]

@@ -68,10 +68,11 @@ class DemoConfig:
     #: None: one bucket (one 1-bit scale) for the whole model; 1: one per parameter (DeepSpeed).
     bucket_bytes: int | None = None
     #: 0/1 Adam: variance updates per doubling of their interval; frozen-stage steps per doubling
-    #: of the sync interval (None: the optimizer's defaults; ``local_step_scaler`` then follows
-    #: the run length, ``total_steps``).
+    #: of the sync interval; the largest sync interval (None: the optimizer's defaults;
+    #: ``local_step_scaler`` then follows the run length, ``total_steps``).
     var_update_scaler: int | None = None
     local_step_scaler: int | None = None
+    local_step_clipper: int | None = None
     #: DiLoCo: steps between two syncs of the outer parameters (H)
     diloco_sync_every: int = 50
     eval_every: int = 50
@@ -167,7 +168,9 @@ def _optimizer(method: str, cfg: DemoConfig, axis: str):
     if method == "zero_one_adam":
         # jaxcomm's schedule for a run of cfg.steps (the variance freezes with the warm-up).
         scalers = dict(
-            var_update_scaler=cfg.var_update_scaler, local_step_scaler=cfg.local_step_scaler
+            var_update_scaler=cfg.var_update_scaler,
+            local_step_scaler=cfg.local_step_scaler,
+            local_step_clipper=cfg.local_step_clipper,
         )
         tx = jc.zero_one_adam(
             lr,
@@ -464,7 +467,9 @@ def run(
         )
     )
     paths = [os.path.join(out_dir, "demo.json")] if out_dir else []
-    if json_path and json_path != "-":
+    if json_path and json_path != "-" and os.path.abspath(json_path) not in map(
+        os.path.abspath, paths
+    ):  # --json DIR/demo.json: written once
         paths.append(json_path)
     for path in paths:
         with open(path, "w") as f:

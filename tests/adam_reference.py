@@ -132,6 +132,16 @@ class ZeroOneAdamModel:
     ``p_r -= u_r``, ``u_r *= sqrt(v) + eps``, ``u = 1bit-mean(u_r)``, ``m_r = -u / lrs``,
     ``p_r += u / (sqrt(v) + eps)``, ``u_r = 0``, ``lrs = 0``; then ``local_counter`` counts up
     and at ``local_step_scaler`` resets, ``local_interval = min(clipper, 2 * local_interval)``.
+
+    jaxcomm's own rules (not DeepSpeed's; all off by default here): ``bias_correction`` divides
+    ``m`` by ``1 - b1^t`` and ``v`` by ``1 - b2^s`` with ``s`` the steps covered by ``v``'s
+    updates (one per update, or ``var_interval`` per update with ``interval_weighted_variance``,
+    whose update is then ``v = b2^k v + (1 - b2^k) g^2`` with ``k = var_interval``); the synced
+    momentum is ``-c1 u / lrs``. ``variance_floor = f``: every denominator is ``max(sqrt(v),
+    f sqrt(mean_leaf(v))) + eps`` per leaf (``leaf_sizes``). ``compress_momentum``: the variance
+    stage's 1-bit steps average the local momenta ``b1 m + (1-b1) g_r`` instead of the gradients.
+    ``precondition``: those 1-bit means carry ``x / denom`` and are multiplied back by ``denom``;
+    a synchronisation averages ``u_r`` itself and multiplies the mean by ``denom``.
     """
 
     def __init__(
@@ -149,9 +159,20 @@ class ZeroOneAdamModel:
         local_step_scaler=32678,
         local_step_clipper=16,
         bucket_sizes: Sequence[int] | None = None,
+        bias_correction=False,
+        variance_floor: float | None = None,
+        leaf_sizes: Sequence[int] | None = None,
+        compress_momentum=False,
+        precondition=False,
+        interval_weighted_variance=False,
     ):
         self.n = n
         p = np.asarray(params, np.float64)
+        self.bias_correction, self.floor = bias_correction, variance_floor
+        self.leaf_sizes = list(leaf_sizes or [p.size])
+        self.compress_momentum, self.precondition = compress_momentum, precondition
+        self.interval_weighted = interval_weighted_variance
+        self.var_steps = 0  # steps covered by the updates of v (its bias correction)
         self.p = np.stack([p.copy() for _ in range(n)])
         self.m = np.zeros_like(self.p)
         self.u = np.zeros_like(self.p)
@@ -168,8 +189,32 @@ class ZeroOneAdamModel:
         self.onebit = BucketedOneBit(n, bucket_sizes or [p.size])
         self.branches: list[str] = []  # which rule each step took, for the tests' coverage check
 
+    def _corrections(self) -> tuple[float, float]:
+        if not self.bias_correction:
+            return 1.0, 1.0
+        return 1 - self.b1**self.t, 1 - self.b2 ** max(self.var_steps, 1)
+
+    def _denom(self) -> np.ndarray:
+        v = self.v / self._corrections()[1]
+        root = np.sqrt(v)
+        if self.floor:
+            parts, start = [], 0
+            for size in self.leaf_sizes:
+                leaf = v[start : start + size]
+                parts.append(np.maximum(np.sqrt(leaf), self.floor * np.sqrt(leaf.mean())))
+                start += size
+            root = np.concatenate(parts)
+        return root + self.eps
+
     def _update(self) -> np.ndarray:
-        return self.m / (np.sqrt(self.v) + self.eps) + self.wd * self.p
+        return (self.m / self._corrections()[0]) / self._denom() + self.wd * self.p
+
+    def _onebit(self, xs: np.ndarray) -> np.ndarray:
+        """1-bit mean of ``(n, N)`` inputs, preconditioned by the denominator if asked."""
+        if not self.precondition:
+            return self.onebit.mean(xs)
+        denom = self._denom()
+        return self.onebit.mean(xs / denom[None]) * denom
 
     def step(self, grads: np.ndarray) -> np.ndarray:
         """``grads``: ``(n, N)`` local gradients. Returns the ``(n, N)`` per-device parameters."""
@@ -180,11 +225,18 @@ class ZeroOneAdamModel:
         if t <= self.var_freeze_step:
             if t % self.var_interval == 0:
                 g = grads.mean(axis=0)
+                k = self.var_interval if self.interval_weighted else 1
+                decay = self.b2**k
                 self.m = self.b1 * self.m + (1 - self.b1) * g[None]
-                self.v = self.b2 * self.v + (1 - self.b2) * g * g
+                self.v = decay * self.v + (1 - decay) * g * g
+                self.var_steps += k
                 self.branches.append("variance")
+            elif self.compress_momentum:
+                local = self.b1 * self.m + (1 - self.b1) * grads
+                self.m = np.broadcast_to(self._onebit(local), self.p.shape).copy()
+                self.branches.append("onebit")
             else:
-                g = self.onebit.mean(grads)
+                g = self._onebit(grads)
                 self.m = self.b1 * self.m + (1 - self.b1) * g[None]
                 self.branches.append("onebit")
             self.p = self.p - lr * self._update()
@@ -204,9 +256,13 @@ class ZeroOneAdamModel:
         self.u = self.u - step
         if t % self.local_interval == 0:
             self.p = self.p - self.u
-            denom = np.sqrt(self.v) + self.eps
-            avg = self.onebit.mean(self.u * denom[None])
-            self.m = np.broadcast_to(-avg / self.lrs, self.p.shape).copy()
+            denom = self._denom()
+            if self.precondition:
+                avg = self.onebit.mean(self.u) * denom
+            else:
+                avg = self.onebit.mean(self.u * denom[None])
+            c1 = self._corrections()[0]
+            self.m = np.broadcast_to(-avg / self.lrs * c1, self.p.shape).copy()
             self.p = self.p + (avg / denom)[None]
             self.u = np.zeros_like(self.u)
             self.lrs = 0.0

@@ -147,6 +147,67 @@ def test_zero_one_adam_matches_deepspeed_model():
     assert int(state.opt_state.var_interval) == model.var_interval
 
 
+@pytest.mark.parametrize("precondition", [True, False])
+def test_zero_one_adam_jaxcomm_rules_match_model(precondition):
+    """jaxcomm's default rules (not DeepSpeed's), against the NumPy model with the same rules:
+    bias correction (v by the steps its updates cover), the interval-weighted variance EMA, the
+    variance floor, 1-bit momentum (not gradients) in the variance stage, preconditioned 1-bit
+    means; every branch, weight decay and an lr schedule."""
+    kw = dict(
+        weight_decay=0.01,
+        var_freeze_step=6,
+        var_update_scaler=2,
+        local_step_scaler=2,
+        local_step_clipper=4,
+    )
+    total = 15
+    lr = optax.linear_schedule(0.02, 0.01, total)
+    steps = grad_steps(total, seed=5)
+    tx = jc.zero_one_adam(lr, axis_name="dp", precondition=precondition, **kw)
+    history, state = run(tx, steps)
+    model = ZeroOneAdamModel(
+        N,
+        flat(init_params()),
+        lr=lr,
+        bias_correction=True,
+        variance_floor=0.1,
+        leaf_sizes=SIZES,
+        compress_momentum=True,
+        precondition=precondition,
+        interval_weighted_variance=True,
+        **kw,
+    )
+    for k, (grads, got) in enumerate(zip(steps, history, strict=True)):
+        expected = model.step(flat_per_device(grads))
+        np.testing.assert_allclose(
+            flat_per_device(got), expected, rtol=1e-4, atol=1e-5, err_msg=f"step {k}"
+        )
+    assert set(model.branches) == {"variance", "onebit", "local", "sync"}, model.branches
+    assert int(state.opt_state.var_updates) == model.var_steps > model.branches.count("variance")
+    # The rules matter here: DeepSpeed's model differs.
+    deepspeed = ZeroOneAdamModel(N, flat(init_params()), lr=lr, **kw)
+    for grads in steps:
+        ds = deepspeed.step(flat_per_device(grads))
+    assert not np.allclose(ds, flat_per_device(history[-1]), rtol=1e-3)
+
+
+def test_zero_one_adam_default_schedule():
+    """Defaults: the run-length schedule from total_steps, interval cap 2 (16 under
+    deepspeed_compat), DeepSpeed's constants without total_steps."""
+    from jaxcomm.optim.zero_one_adam import SAFE_LOCAL_STEP_CLIPPER, schedule_for
+
+    assert schedule_for(768, None, None) == (115, 38)
+    assert schedule_for(None, None, None) == (100000, 32678)
+    assert schedule_for(768, 50, None) == (50, 17)
+    steps = grad_steps(12, seed=3)
+    for compat, cap in ((False, SAFE_LOCAL_STEP_CLIPPER), (True, 16)):
+        tx = jc.zero_one_adam(
+            0.01, var_freeze_step=1, local_step_scaler=1, axis_name="dp", deepspeed_compat=compat
+        )
+        _, state = run(tx, steps)
+        assert int(state.opt_state.local_interval) == min(cap, 2**10)
+
+
 def test_compressed_mean_warmup_then_onebit_in_a_manual_shard_map(mesh):
     """compressed_mean used by hand: init outside, stack, state_partition_specs, shard_map."""
     warmup = 2

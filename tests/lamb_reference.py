@@ -22,7 +22,15 @@ from adam_reference import BucketedOneBit, _lr
 
 
 class OnebitLambModel:
-    """DeepSpeed ``OnebitLamb`` over ``n`` devices; ``events`` records which clips fired."""
+    """DeepSpeed ``OnebitLamb`` over ``n`` devices; ``events`` records which clips fired.
+
+    jaxcomm's own rules (all off by default here): ``variance_floor = f``: after the switch both
+    denominators of a leaf, of ``v`` and of ``v_fresh``, are ``max(sqrt(x), f sqrt(mean_leaf(x)))
+    + eps``; ``bias_correction``: ``m / (1 - b1^t)``, ``v / (1 - b2^min(t, freeze_step))``,
+    ``v_fresh / (1 - b2^t)``; ``precondition``: the 1-bit mean carries the local momenta divided
+    by the frozen (floored) denominator and is multiplied back by it, with no scaling
+    coefficients.
+    """
 
     def __init__(
         self,
@@ -42,8 +50,16 @@ class OnebitLambModel:
         factor_min=0.5,
         factor_threshold=0.1,
         bucket_sizes: Sequence[int] | None = None,
+        variance_floor: float | None = None,
+        bias_correction=False,
+        precondition=False,
     ):
         self.n = n
+        self.floor, self.bias_correction, self.precondition = (
+            variance_floor,
+            bias_correction,
+            precondition,
+        )
         self.sizes = [int(np.asarray(x).size) for x in leaves]
         bounds = np.cumsum([0, *self.sizes])
         self.slices = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
@@ -77,6 +93,19 @@ class OnebitLambModel:
             self._compressed(grads, lr)
         return self.p
 
+    def _corr(self) -> tuple[float, float, float]:
+        if not self.bias_correction:
+            return 1.0, 1.0, 1.0
+        b1, b2, t = self.b1, self.b2, self.t
+        return 1 - b1**t, 1 - b2 ** max(min(t, self.freeze_step), 1), 1 - b2**t
+
+    def _denom(self, x: np.ndarray) -> np.ndarray:
+        """``sqrt(x) + eps`` of one leaf, floored when ``variance_floor`` is set."""
+        root = np.sqrt(x)
+        if self.floor and x.size:
+            root = np.maximum(root, self.floor * np.sqrt(x.mean()))
+        return root + self.eps
+
     def _warmup(self, g: np.ndarray, lr: float) -> None:
         b1, b2 = self.b1, self.b2
         self.m = b1 * self.m + (1 - b1) * g
@@ -85,7 +114,8 @@ class OnebitLambModel:
             self.v_fresh = self.v.copy()
         for i, sl in enumerate(self.slices):
             p = self.p[sl]
-            update = self.m[sl] / (np.sqrt(self.v[sl]) + self.eps)
+            c1, c2, _ = self._corr()
+            update = (self.m[sl] / c1) / (np.sqrt(self.v[sl] / c2) + self.eps)
             if self.wd > 0:
                 update = update + self.wd * p
             weight_norm = float(np.sqrt(np.sum(p * p)))
@@ -111,27 +141,33 @@ class OnebitLambModel:
     def _compressed(self, grads: np.ndarray, lr: float) -> None:
         b1, b2 = self.b1, self.b2
         m_last = self.m.copy()
-        if self.scaling_coeff is None:  # the first compression update
-            scales = [
-                np.linalg.norm(self.m[sl]) / np.sqrt(size)
-                for sl, size in zip(self.slices, self.sizes, strict=True)
-            ]
-            united = sum(scales) / len(scales)
-            self.scaling_coeff = [united / s for s in scales]
-        scale = np.concatenate(
-            [np.full(size, s) for size, s in zip(self.sizes, self.scaling_coeff, strict=True)]
-        )
-        local = (b1 * self.m[None] + (1 - b1) * grads) * scale[None]
-        self.m = self.onebit.mean(local) / scale
+        c1, c2, c2_fresh = self._corr()
+        if self.precondition:
+            denom = np.concatenate([self._denom(self.v[sl] / c2) for sl in self.slices])
+            local = (b1 * self.m[None] + (1 - b1) * grads) / denom[None]
+            self.m = self.onebit.mean(local) * denom
+        else:
+            if self.scaling_coeff is None:  # the first compression update
+                scales = [
+                    np.linalg.norm(self.m[sl]) / np.sqrt(size)
+                    for sl, size in zip(self.slices, self.sizes, strict=True)
+                ]
+                united = sum(scales) / len(scales)
+                self.scaling_coeff = [united / s for s in scales]
+            scale = np.concatenate(
+                [np.full(size, s) for size, s in zip(self.sizes, self.scaling_coeff, strict=True)]
+            )
+            local = (b1 * self.m[None] + (1 - b1) * grads) * scale[None]
+            self.m = self.onebit.mean(local) / scale
         for i, sl in enumerate(self.slices):
             m, p = self.m[sl], self.p[sl]
             g_rec = (m - m_last[sl] * b1) / (1 - b1)
             self.v_fresh[sl] = b2 * self.v_fresh[sl] + (1 - b2) * g_rec * g_rec
-            denom = np.sqrt(self.v[sl]) + self.eps
-            prelim = m / denom
+            denom = self._denom(self.v[sl] / c2)
+            prelim = (m / c1) / denom
             update = prelim + self.wd * p if self.wd > 0 else prelim
             update_norm = float(np.sqrt(np.sum(update * update)))
-            denom_real = np.sqrt(self.v_fresh[sl]) + self.eps
+            denom_real = self._denom(self.v_fresh[sl] / c2_fresh)
             factor = float(np.max(denom / denom_real))
             if self.wd > 0:
                 ratio = min(1.0, float(np.sqrt(np.sum(prelim * prelim))) / update_norm)

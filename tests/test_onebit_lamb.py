@@ -140,6 +140,36 @@ def test_onebit_lamb_matches_deepspeed_model(case):
     assert all(s == P("dp") for s in jax.tree.leaves(specs.comm))
 
 
+@pytest.mark.parametrize("options", [{}, dict(bias_correction=True, precondition=True)])
+def test_onebit_lamb_jaxcomm_rules_match_model(options):
+    """jaxcomm's rules against the model with the same rules: the variance floor on both
+    denominators after the switch (5 coordinates of "b" never get a gradient, so the floor
+    matters), and the bias-correction and preconditioning options."""
+    kw = dict(b2=0.5, weight_decay=0.01, max_coeff=15.0, min_coeff=0.05)
+    lr = optax.linear_schedule(0.02, 0.01, len(GRAD_SCALE))
+    steps = grad_steps(GRAD_SCALE)
+    for grads in steps:
+        grads["b"][:, :5] = 0.0
+    tx = jc.onebit_lamb(lr, freeze_step=FREEZE, axis_name="dp", **kw, **options)
+    history, state = run(tx, steps)
+    params = init_params()
+    model = OnebitLambModel(
+        N, [params[k] for k in KEYS], lr=lr, freeze_step=FREEZE, variance_floor=0.1, **kw,
+        **options,
+    )  # fmt: skip
+    for k, (grads, got) in enumerate(zip(steps, history, strict=True)):
+        expected = model.step(flat_per_device(grads))
+        np.testing.assert_allclose(flat(got), expected, rtol=1e-4, atol=1e-5, err_msg=f"step {k}")
+    opt = state.opt_state
+    np.testing.assert_allclose(per_leaf(opt.last_factor), model.last_factor, rtol=1e-4)
+    np.testing.assert_allclose(flat(opt.nu_fresh), model.v_fresh, rtol=1e-4, atol=1e-9)
+    # The rules matter here: DeepSpeed's model differs.
+    deepspeed = OnebitLambModel(N, [params[k] for k in KEYS], lr=lr, freeze_step=FREEZE, **kw)
+    for grads in steps:
+        ds = deepspeed.step(flat_per_device(grads))
+    assert not np.allclose(ds, flat(history[-1]), rtol=1e-3)
+
+
 def test_onebit_lamb_pmap_and_inject_hyperparams():
     """Under jax.pmap with optax.inject_hyperparams (every numeric hyperparameter traced) the
     run is the shard_map run; the learning rate follows its schedule."""

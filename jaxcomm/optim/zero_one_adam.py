@@ -40,6 +40,7 @@ from jaxcomm.optim._common import (
     needs_params,
     resolve_axis_size,
     static_bucket_bytes,
+    unzip,
     varying,
     zeros_f32,
 )
@@ -120,7 +121,7 @@ class _Step:
 
     def denom(self, v: jax.Array) -> jax.Array:
         """``sqrt(v_hat) + eps``, damped where ``v`` is (near) zero (``variance_floor``)."""
-        return damped_denominator(v / self.c2, self.eps, self.floor)
+        return damped_denominator(v, self.eps, self.floor, scale=self.c2)
 
     def adam_step(self, mu: PyTree, nu: PyTree) -> PyTree:
         """``lr * (m_hat / denom(v) + wd * p)`` per leaf (before the sign)."""
@@ -135,85 +136,104 @@ class _Step:
             return jax.tree.map(lambda m, v: one(m, v, None), mu, nu)
         return jax.tree.map(one, mu, nu, self.params)
 
-    def finish(self, mu, nu, u, lrs, comm, delta):
-        # All branches agree on types: per-device leaves varying, the rest replicated.
-        return (
-            varying(mu, self.axis_name),
-            nu,
-            varying(u, self.axis_name),
-            jnp.asarray(lrs, jnp.float32),
-            comm,
-            varying(delta, self.axis_name),
-        )
-
     def onebit_mean(self, tree, comm):
         return compressed_mean_call(tree, comm, self.axis_name, self.compressor, self.bucket_bytes)
 
-    # The four branches, selected by lax.switch in this order.
+    def local_accumulated(self, g, mu, nu, u):
+        """``(m_local, step, u - step)`` of a frozen-stage step on this device's gradient."""
+        m_local = ema(mu, g, self.b1)
+        step = self.adam_step(m_local, nu)
+        return m_local, step, jax.tree.map(lambda a, s: a - s, u, step)
 
-    def var_update(self, g, mu, nu, u, lrs, comm):
-        """Variance stage, ``t % var_interval == 0``: exact mean updates both moments."""
-        g = exact_mean(g, self.axis_name, self.bucket_bytes)
-        mu, nu = ema(mu, g, self.b1), ema(nu, g, self.b2_var, 2)
-        return self.finish(mu, nu, u, lrs, comm, _neg(self.adam_step(mu, nu)))
+    def communicate(self, kind, g, mu, nu, u, comm):
+        """The mean each kind of step needs, and the new error feedback (``lax.switch``).
 
-    def onebit_momentum(self, g, mu, nu, u, lrs, comm):
-        """Variance stage, other steps: a 1-bit mean updates ``m`` only (of the gradients, or
-        with ``compress_momentum`` of the local momenta ``b1 m + (1-b1) g_r``)."""
-        if self.compress_momentum:
-            mu = ema(mu, g, self.b1)
-            mu, comm = self.preconditioned_mean(mu, nu, comm)
-        else:
-            g, comm = self.preconditioned_mean(g, nu, comm)
-            mu = ema(mu, g, self.b1)
-        return self.finish(mu, nu, u, lrs, comm, _neg(self.adam_step(mu, nu)))
+        Only the communication is in the switch: state that passes through a ``lax.cond`` or
+        ``lax.switch`` and is read after it is copied by XLA in every branch, so the moments,
+        the accumulated updates and the parameters are updated after it (:meth:`apply_leaf`),
+        elementwise in their own buffers. A local step (kind 2) sends nothing and returns
+        zeros.
+        """
 
-    def preconditioned_mean(self, tree, nu, comm):
-        """1-bit mean of ``tree``, or with ``precondition`` of ``tree / denom`` mapped back by
-        ``denom`` (see onebit_adam: one 1-bit scale fits Adam's steps, not raw moments)."""
-        if not self.precondition:
-            return self.onebit_mean(tree, comm)
-        denom = jax.tree.map(self.denom, nu)
-        out, comm = self.onebit_mean(jax.tree.map(lambda x, d: x / d, tree, denom), comm)
-        return jax.tree.map(lambda x, d: x * d, out, denom), comm
+        def var_update(g, mu, nu, u, comm):
+            """Variance stage, ``t % var_interval == 0``: the exact mean gradient."""
+            return exact_mean(g, self.axis_name, self.bucket_bytes), comm
 
-    def local_step(self, g, mu, nu, u, lrs, comm):
-        """Frozen stage, no synchronisation: a local Adam step, accumulated in ``u``."""
-        mu = ema(mu, g, self.b1)
-        step = self.adam_step(mu, nu)
-        u = jax.tree.map(lambda a, s: a - s, u, step)
-        return self.finish(mu, nu, u, lrs + self.lr, comm, _neg(step))
+        def onebit_momentum(g, mu, nu, u, comm):
+            """Variance stage, other steps: the 1-bit mean of the gradients, or with
+            ``compress_momentum`` of the local momenta ``b1 m + (1-b1) g_r`` (divided by the
+            denominator with ``precondition``)."""
+            x = ema(mu, g, self.b1) if self.compress_momentum else g
+            if self.precondition:
+                x = jax.tree.map(lambda a, d: a / d, x, self.denoms(nu))
+            return self.onebit_mean(x, comm)
 
-    def local_step_sync(self, g, mu, nu, u, lrs, comm):
-        """Frozen stage, ``t % local_interval == 0``: the local step, then the 1-bit mean of
-        the accumulated updates replaces them."""
-        mu = ema(mu, g, self.b1)
-        lrs = lrs + self.lr
-        step = self.adam_step(mu, nu)
-        u = jax.tree.map(lambda a, s: a - s, u, step)
-        # Zero the error feedback at the variance freeze (the first frozen step is always a
-        # synchronisation: local_interval is still 1 then).
-        first = self.t == self.var_freeze_step + 1
-        comm = jax.tree.map(lambda e: jnp.where(first, jnp.zeros_like(e), e), comm)
-        denom = jax.tree.map(self.denom, nu)
-        if self.precondition:
-            # The accumulated updates themselves are 1-bit averaged (even magnitudes), then
-            # mapped to momentum space; DeepSpeed compresses u * denom.
-            avg, comm = self.onebit_mean(u, comm)
-            avg = jax.tree.map(lambda a, d: a * d, avg, denom)
-        else:
-            scaled = jax.tree.map(lambda a, d: a * d, u, denom)
-            avg, comm = self.onebit_mean(scaled, comm)
-        # The mean step in momentum space is the mean of m_hat = m / c1: times c1 it is m again
-        # (c1 = 1 under deepspeed_compat, DeepSpeed's m = -u / lrs).
-        mu = jax.tree.map(lambda a: -a / lrs * self.c1, avg)
+        def local_step(g, mu, nu, u, comm):
+            """Frozen stage, no synchronisation: nothing to send (zeros, replicated like the
+            means of the other kinds)."""
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), g), comm
+
+        def local_step_sync(g, mu, nu, u, comm):
+            """Frozen stage, ``t % local_interval == 0``: the 1-bit mean of the accumulated
+            updates (times the denominator unless ``precondition``)."""
+            _, _, u = self.local_accumulated(g, mu, nu, u)
+            # Zero the error feedback at the variance freeze (the first frozen step is always
+            # a synchronisation: local_interval is still 1 then).
+            first = self.t == self.var_freeze_step + 1
+            comm = jax.tree.map(lambda e: jnp.where(first, jnp.zeros_like(e), e), comm)
+            if not self.precondition:  # DeepSpeed compresses u * denom
+                u = jax.tree.map(lambda a, d: a * d, u, self.denoms(nu))
+            return self.onebit_mean(u, comm)
+
+        branches = (var_update, onebit_momentum, local_step, local_step_sync)
+        return lax.switch(kind, branches, g, mu, nu, u, comm)
+
+    def denoms(self, nu: PyTree) -> PyTree:
+        return jax.tree.map(self.denom, nu)
+
+    def apply_leaf(self, kind, ok, g, mu, nu_new, u, mean, p, lrs_sync):
+        """One leaf's new ``(m, u, delta)`` for the kind of step (``ok`` false: ``m``, ``u`` kept,
+        ``delta = 0``). ``nu_new`` is the variance after this step, ``mean`` the switch's."""
+        den = self.denom(nu_new)
+
+        def step_of(m):
+            update = (m / self.c1) / den
+            if p is not None:
+                update = update + self.wd * p
+            return self.lr * update
+
+        # Kind 0, variance update: the exact mean gradient updates m (and v, before this).
+        m_var = ema(mu, mean, self.b1)
+        # Kind 1, 1-bit momentum: the mean (mapped back by the denominator) is m, or updates it.
+        mapped = mean * den if self.precondition else mean
+        m_onebit = mapped if self.compress_momentum else ema(mu, mapped, self.b1)
+        # Kinds 2 and 3: the local step on this device's gradient, accumulated in u.
+        m_local = ema(mu, g, self.b1)
+        step = step_of(m_local)
+        u_acc = u - step
+        # Kind 3, synchronisation: the mean accumulated update replaces the local ones; its
+        # momentum-space mean is of m_hat = m / c1, so times c1 it is m (DeepSpeed: c1 = 1).
         # p + delta = (p - lr*update) - u + avg / denom, DeepSpeed's order of the three terms.
-        delta = jax.tree.map(lambda s, a, c, d: (-s - a) + c / d, step, u, avg, denom)
-        return self.finish(mu, nu, jax.tree.map(jnp.zeros_like, u), 0.0, comm, delta)
+        avg = mapped
+        m_sync = -avg / lrs_sync * self.c1
+        sync_delta = (-step - u_acc) + avg / den
+
+        new_m = _by_kind(kind, (m_var, m_onebit, m_local, m_sync))
+        new_u = _by_kind(kind, (u, u, u_acc, jnp.zeros_like(u)))
+        delta = _by_kind(kind, (-step_of(m_var), -step_of(m_onebit), -step, sync_delta))
+        return (
+            jnp.where(ok, new_m, mu),
+            jnp.where(ok, new_u, u),
+            jnp.where(ok, delta, jnp.zeros_like(delta)),
+        )
 
 
-def _neg(tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda x: -x, tree)
+def _by_kind(kind: jax.Array, values) -> jax.Array:
+    """``values[kind]`` elementwise (kind a traced int32 scalar in ``[0, len(values))``)."""
+    out = values[-1]
+    for i in range(len(values) - 2, -1, -1):
+        out = jnp.where(kind == i, values[i], out)
+    return out
 
 
 def _intervals(state: ZeroOneAdamState, t, frozen, var_step, scalers) -> dict:
@@ -445,43 +465,68 @@ def zero_one_adam(
             bucket_bytes=bucket_bytes,
         )
         sync = (t % state.local_interval) == 0
-        branch = jnp.where(frozen, jnp.where(sync, 3, 2), jnp.where(var_step, 0, 1))
-        mu, nu, u, lrs, comm, delta = lax.switch(
-            branch.astype(jnp.int32),
-            (step.var_update, step.onebit_momentum, step.local_step, step.local_step_sync),
-            f32(updates),
-            varying(state.local.mu, axis_name),
-            state.nu,
-            varying(state.local.u, axis_name),
-            state.lrs,
-            state.comm,
-        )
-        # A non-finite result on any device skips the step on every device (one int32 pmin;
-        # local steps would otherwise let the devices' schedules drift apart): moments, local
-        # updates and schedules stay, the collectives' guard kept the error feedback.
-        ok = all_finite(mu, u, nu, delta)
+        kind = jnp.where(frozen, jnp.where(sync, 3, 2), jnp.where(var_step, 0, 1)).astype(jnp.int32)
+        g = f32(updates)
+        mu, u = varying(state.local.mu, axis_name), varying(state.local.u, axis_name)
+        mean, comm = step.communicate(kind, g, mu, state.nu, u, state.comm)
+        # A non-finite gradient or mean on any device skips the step on every device (one
+        # int32 pmin; local steps would otherwise let the devices' schedules drift apart):
+        # moments, local updates and schedules stay, the collectives' guard kept the error
+        # feedback. Boolean reductions, fused into the passes that produce g and the mean.
+        ok = all_finite(g, mean)
         ok = lax.pmin(ensure_varying(ok.astype(jnp.int32), axis_name), axis_name) > 0
         skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
         check_skips(skipped, max_consecutive_skips, "zero_one_adam")
+        # The new variance first (kind 0 updates it from the exact mean; the denominators of
+        # this step read it), written over nu in place.
+        nu = jax.tree.map(
+            lambda v, x: jnp.where(ok & (kind == 0), ema(v, x, step.b2_var, 2), v),
+            state.nu,
+            mean,
+        )
+        lrs_sync = state.lrs + step.lr  # the learning rates summed over the local steps
+        if step.params is None:
+            leaves = jax.tree.map(
+                lambda g_, m, v, a, x: step.apply_leaf(kind, ok, g_, m, v, a, x, None, lrs_sync),
+                g,
+                mu,
+                nu,
+                u,
+                mean,
+            )
+        else:
+            leaves = jax.tree.map(
+                lambda g_, m, v, a, x, p: step.apply_leaf(kind, ok, g_, m, v, a, x, p, lrs_sync),
+                g,
+                mu,
+                nu,
+                u,
+                mean,
+                step.params,
+            )
+        new_mu, new_u, delta = unzip(leaves, g, 3)
+        lrs = jnp.where(kind == 2, lrs_sync, jnp.where(kind == 3, 0.0, state.lrs))
         candidate = ZeroOneAdamState(
             count=t,
-            lrs=lrs,
+            lrs=lrs.astype(jnp.float32),
             nu=nu,
-            local=LocalState(mu=mu, u=u),
+            local=LocalState(mu=new_mu, u=new_u),
             comm=comm,
             var_updates=var_updates,
             skipped=skipped,
             skipped_total=state.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32),
             **_intervals(state, t, frozen, var_step, scalers),
         )
-        old = state._replace(
-            local=LocalState(*varying(tuple(state.local), axis_name)),
+        # Moments, variance and local updates already kept their old values when not ok;
+        # the scalars (count, schedules) are kept here.
+        old_scalars = state._replace(
+            nu=nu,
+            local=candidate.local,
+            comm=comm,
             skipped=candidate.skipped,
             skipped_total=candidate.skipped_total,
-            comm=comm,
         )
-        new_state = keep_if(ok, candidate, old)
-        delta = jax.tree.map(lambda d: jnp.where(ok, d, jnp.zeros_like(d)), delta)
+        new_state = keep_if(ok, candidate, old_scalars)
         return cast_like(delta, updates if params is None else params), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -322,7 +322,7 @@ def test_demo_sharded_int8_method(mesh):
     from jaxcomm.tools.models import ByteBatches
 
     cfg = demo.DemoConfig(
-        steps=12, batch_per_device=2, width=32, eval_every=6, held_out=16,
+        steps=12, batch_per_device=2, width=32, layers=1, eval_every=6, held_out=16,
         methods=("sharded_int8",),
     )
     data = ByteBatches.from_corpus(context=cfg.context)

@@ -1,8 +1,9 @@
 """A small real text corpus available offline: Python's bundled ``pydoc_data`` topics.
 
-Used by the demo, the examples and the convergence benchmark: a character-level language model
-on about 465k characters of Python documentation, with a held-out split, and nothing to
-download.
+Used by the examples, ``benchmarks/diloco_convergence.py`` and ``benchmarks/onebit_lamb.py``
+(``jaxcomm demo`` and ``benchmarks/convergence.py`` use the unfiltered byte corpus of
+:mod:`jaxcomm.tools.models`): a character-level language model on about 465k characters of
+Python documentation, with a held-out split, and nothing to download.
 
 The vocabulary is the characters that occur at least ``min_count`` times in the training split,
 plus id 0 for all others. Every embedding row then receives gradients regularly: a row that

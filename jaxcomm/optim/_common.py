@@ -201,18 +201,20 @@ def apply_mask(tree: PyTree, mask: PyTree | None) -> PyTree:
 
 
 def all_finite(*trees: PyTree) -> jax.Array:
-    """One bool scalar: every element of every leaf is finite.
+    """One bool scalar: no leaf holds a NaN or an Inf.
 
-    One ``all(isfinite(x))`` per leaf, combined with ``&``: a boolean reduction that XLA:CPU fuses
-    into the pass producing ``x`` (for a 1-bit mean: a read of the packed signs). A float sum or
-    max would be handed to a library reduction that needs its input materialised, a fresh
-    buffer per leaf. The result is replicated when the trees are.
+    Decided as ``isfinite(sum_leaves sum(x))``: a NaN or Inf anywhere makes the sum NaN or Inf,
+    and a float sum over a buffer that exists anyway is the cheapest reduction XLA:CPU has (a
+    boolean ``all(isfinite(x))`` materialises a mask per leaf and reduces it in a tree of
+    ``reduce-window``s: measured 60 ms more per 0/1 Adam step on a 64 MiB model). The one
+    false alarm: finite values whose sum passes the fp32 range (``|sum| > 3.4e38``), a step
+    that would blow up anyway, is skipped too. The result is replicated when the trees are.
     """
-    ok = jnp.asarray(True)
+    total = jnp.zeros([], jnp.float32)
     for x in (x for t in trees for x in jax.tree.leaves(t)):
         if jnp.size(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-            ok = ok & jnp.all(jnp.isfinite(x))
-    return ok
+            total = total + jnp.sum(x, dtype=jnp.float32)
+    return jnp.isfinite(total)
 
 
 def keep_if(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:

@@ -22,7 +22,12 @@ and carried from step to step), one method after the other:
   whole cycle (``zero_one_local`` and ``zero_one_sync`` give the two kinds apart);
 * ``onebit_lamb``: ``jc.onebit_lamb(freeze_step=2)`` after its freeze;
 * ``sharded_int8``: ``jc.sharded(optax.adam(lr), axis, compressor=jc.Quantize(bits=8),
-  gather_compressor=jc.Quantize(bits=8))`` (ZeRO 1-2 with int8 gradients and weights).
+  gather_compressor=jc.Quantize(bits=8))`` (ZeRO 1-2 with int8 gradients and weights);
+* ``diloco_int4``: ``jc.diloco(optax.adam(lr), optax.sgd(0.7, momentum=0.9, nesterov=True),
+  16, axis, compressor=jc.Quantize(bits=4, error_feedback=True))``, the mean step over a whole
+  cycle of ``H = 16`` (15 inner steps that send nothing, one sync of the int4 outer gradient;
+  ``diloco_int4_local`` / ``_sync`` apart). The papers' ``H`` of 50-500 amortises the sync
+  further.
 
 Models (``--model``): ``mlp``, ``--layers`` x (``--width`` x ``--width`` + bias), 16.8M fp32
 parameters (64 MiB) by default, batch 16 per process; ``transformer``, a pre-LN decoder of the
@@ -60,6 +65,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 WARMUP = 2
 FREEZE = 2  # warm-up steps of the 1-bit optimizers: the timed steps are all compressed
 ZO_CLIPPER = 16  # 0/1 Adam's sync interval in the timed cycles (DeepSpeed's default clipper)
+DILOCO_H = 16  # DiLoCo's sync_every in the timed cycles (the papers use 50-500: fewer syncs)
 
 METHODS = {
     "local": "local Adam step, nothing sent (floor)",
@@ -71,12 +77,17 @@ METHODS = {
     "zero_one_adam": f"zero_one_adam, mean of a {ZO_CLIPPER}-step cycle",
     "onebit_lamb": "onebit_lamb, compressed phase",
     "sharded_int8": "sharded(adam), int8 grads + int8 weights",
+    "diloco_int4": f"diloco(adam, nesterov), int4+EF, mean of H={DILOCO_H}",
 }
-#: Rows derived from the 0/1 Adam cycles (not methods of their own).
+#: Rows derived from the cycled methods (not methods of their own).
 DERIVED = {
     "zero_one_local": "  0/1 Adam local step (nothing sent)",
     "zero_one_sync": "  0/1 Adam sync step (1-bit)",
+    "diloco_int4_local": "  DiLoCo inner step (nothing sent)",
+    "diloco_int4_sync": "  DiLoCo sync step (int4 outer gradient)",
 }
+#: Methods timed over whole sync cycles: name -> prefix of their derived rows.
+CYCLES = {"zero_one_adam": "zero_one", "diloco_int4": "diloco_int4"}
 
 
 def make_tx(name: str, axis: str, bucket_bytes: int | None, lr: float = 1e-3):
@@ -109,6 +120,10 @@ def make_tx(name: str, axis: str, bucket_bytes: int | None, lr: float = 1e-3):
     if name == "sharded_int8":
         q8 = jc.Quantize(bits=8)
         return jc.sharded(adam, axis, compressor=q8, gather_compressor=q8, **bb)
+    if name == "diloco_int4":
+        outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+        q4 = jc.Quantize(bits=4, error_feedback=True)
+        return jc.diloco(adam, outer, DILOCO_H, axis, compressor=q4, **bb)
     raise SystemExit(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
 
 
@@ -369,17 +384,19 @@ def _worker(args: argparse.Namespace) -> None:
         compile_s[name] = time.perf_counter() - t0
         runners[name], losses[name] = (run, holder), []
 
-    def zo_interval_and_count(holder):
+    def next_is_sync(name, holder) -> bool:
+        """Whether the next step of a cycled method synchronises."""
         opt = holder["state"].opt_state
-        return _host_int(opt.local_interval), _host_int(opt.count)
+        count = _host_int(opt.count)
+        if name == "zero_one_adam":
+            return (count + 1) % _host_int(opt.local_interval) == 0
+        return (count + 1) % DILOCO_H == 0
 
-    def zo_cycle(run, holder, times):
-        """One whole sync cycle of 0/1 Adam: (step times, kinds), ending with a sync step."""
+    def cycle(name, run, holder, times):
+        """One whole sync cycle: (step time, kind) of each step, ending with a sync step."""
         kinds = []
         while True:
-            interval, count = zo_interval_and_count(holder)
-            t = count + 1
-            sync = t % interval == 0
+            sync = next_is_sync(name, holder)
             times.append(barrier())
             t0 = time.perf_counter()
             run()
@@ -396,16 +413,21 @@ def _worker(args: argparse.Namespace) -> None:
             losses[name].append(run())
         if name == "zero_one_adam":  # until the interval reached its cap and a cycle ended
             while True:
-                interval, count = zo_interval_and_count(holder)
+                opt = holder["state"].opt_state
+                interval, count = _host_int(opt.local_interval), _host_int(opt.count)
                 if interval == ZO_CLIPPER and count % interval == 0:
                     break
+                barrier()
+                losses[name].append(run())
+        if name == "diloco_int4":  # until a cycle ended
+            while _host_int(holder["state"].opt_state.count) % DILOCO_H:
                 barrier()
                 losses[name].append(run())
     for _ in range(args.repeats):  # rounds: a burst of load hits every method alike
         for name in names:
             run, holder = runners[name]
-            if name == "zero_one_adam":
-                times[name].append(zo_cycle(run, holder, times["barrier"]))
+            if name in CYCLES:
+                times[name].append(cycle(name, run, holder, times["barrier"]))
                 continue
             times["barrier"].append(barrier())
             t0 = time.perf_counter()
@@ -438,7 +460,8 @@ def _summarize(ranks: list[dict], args: argparse.Namespace, shaped: bool) -> dic
     names = [k for k in ranks[0]["times"] if k != "barrier"]
     medians: dict[str, float] = {}
     for name in names:
-        if name == "zero_one_adam":
+        if name in CYCLES:
+            prefix = CYCLES[name]
             cycles, local, sync = [], [], []
             for i in range(repeats):
                 per_rank = [r["times"][name][i] for r in ranks]
@@ -449,8 +472,8 @@ def _summarize(ranks: list[dict], args: argparse.Namespace, shaped: bool) -> dic
                 sync += [t for t, k in zip(steps, kinds, strict=True) if k == "sync"]
             medians[name] = statistics.median(cycles)
             if local:
-                medians["zero_one_local"] = statistics.median(local)
-            medians["zero_one_sync"] = statistics.median(sync)
+                medians[f"{prefix}_local"] = statistics.median(local)
+            medians[f"{prefix}_sync"] = statistics.median(sync)
         else:
             # A step is done when its slowest participant is.
             per_run = [max(r["times"][name][i] for r in ranks) for i in range(repeats)]

@@ -246,15 +246,27 @@ def _mean_metrics(loss, aux, axis_name: str, has_aux: bool):
     return loss, jax.tree.map(lambda x: lax.pmean(x, axis_name), aux)
 
 
-def _local_train_step(loss_fn, tx, axis_name, has_aux, state: TrainState, batch, varying: bool):
-    """One device's step: local grads -> ``tx`` (which communicates) -> new params."""
+def _local_train_step(
+    loss_fn, tx, axis_name, has_aux, state: TrainState, batch, varying: bool, blocks=None
+):
+    """One device's step: local grads -> ``tx`` (which communicates) -> new params.
+
+    ``blocks``: the per-device parameters as the ``(1, *local)`` blocks shard_map hands them;
+    the update is added to the blocks themselves, so that XLA writes them in place (through a
+    squeeze and its inverse it would copy every parameter on XLA:CPU).
+    """
     params = state.params
     grad_params = (
         jax.tree.map(lambda p: ensure_varying(p, axis_name), params) if varying else params
     )
     loss, aux, grads = _loss_and_grads(loss_fn, has_aux, grad_params, batch)
     updates, opt_state = tx.update(grads, state.opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    if blocks is None:
+        new_params = optax.apply_updates(params, updates)
+    else:
+        new_params = optax.apply_updates(
+            blocks, jax.tree.map(lambda u, b: u.reshape(b.shape), updates, blocks)
+        )
     return TrainState(new_params, opt_state), _mean_metrics(loss, aux, axis_name, has_aux)
 
 
@@ -334,10 +346,13 @@ def make_train_step(
         specs = train_state_specs(state, axis_name)
 
         def body(state, batch):
-            state, metrics = _local_train_step(
-                loss_fn, tx, axis_name, has_aux, local_view(state), batch, varying=True
+            blocks = state.params if params_are_per_device(state.opt_state) else None
+            new, metrics = _local_train_step(
+                loss_fn, tx, axis_name, has_aux, local_view(state), batch, True, blocks
             )
-            return global_view(state), metrics
+            if blocks is None:
+                return global_view(new), metrics
+            return TrainState(new.params, global_view(new.opt_state)), metrics
 
         mapped = jax.shard_map(
             body,

@@ -145,38 +145,18 @@ def methods(cfg: argparse.Namespace, axis: str) -> dict:
 
 def bytes_per_kind(mesh, axis: str, params, bucket_bytes) -> dict[str, float]:
     """Bytes per device of one mean of a parameter-shaped fp32 tree, per compressor (HLO)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
     import jaxcomm as jc
-    from jaxcomm.hlo import wire_bytes
+    from jaxcomm.tools.demo import mean_wire_bytes
 
-    n = mesh.shape[axis]
-    local = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
-    stacked = jax.tree.map(lambda p: jax.ShapeDtypeStruct((n, *p.shape), jnp.float32), params)
-    out = {LOCAL: 0.0}
     comps = {
         EXACT: jc.NoCompression(),
         ONEBIT: jc.OneBit(),
         INT8: jc.Quantize(bits=8, error_feedback=True),
         INT4: jc.Quantize(bits=4, error_feedback=True),
     }
+    out = {LOCAL: 0.0}
     for kind, comp in comps.items():
-        state = jc.init_state(comp, local, axis_size=n, bucket_bytes=bucket_bytes)
-        g_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), state)
-
-        def body(t, s, comp=comp):
-            t, s = jax.tree.map(lambda x: x[0], (t, s))
-            out, s = jc.compressed_pmean(
-                t, s, axis_name=axis, compressor=comp, bucket_bytes=bucket_bytes
-            )
-            return out, jax.tree.map(lambda x: x[None], s)
-
-        fn = jax.jit(
-            jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P(axis)))
-        )
-        out[kind] = wire_bytes(fn.lower(stacked, g_state).compile().as_text())
+        out[kind] = mean_wire_bytes(mesh, axis, params, comp, bucket_bytes)
     return out
 
 

@@ -95,31 +95,10 @@ def compressor(name: str):
 
 def reduction_bytes(mesh, axis: str, leaves, comp) -> float:
     """Bytes per device of one ``compressed_pmean`` of ``leaves`` (fp32), from the HLO."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
     import jaxcomm as jc
-    from jaxcomm.hlo import wire_bytes
+    from jaxcomm.tools.demo import mean_wire_bytes
 
-    comp = jc.NoCompression() if comp is None else comp
-    n = mesh.shape[axis]
-    local = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in leaves]
-    state = jc.init_state(comp, local, axis_size=n)
-    glob = [jax.ShapeDtypeStruct((n, *x.shape), jnp.float32) for x in leaves]
-    g_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), state)
-
-    def body(tree, s):
-        tree, s = jax.tree.map(lambda x: x[0], (tree, s))
-        if not jax.tree.leaves(s):
-            s = None
-        out, s = jc.compressed_pmean(tree, s, axis_name=axis, compressor=comp)
-        return out, jax.tree.map(lambda x: x[None], s)
-
-    fn = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P(axis)))
-    )
-    return wire_bytes(fn.lower(glob, g_state).compile().as_text())
+    return mean_wire_bytes(mesh, axis, list(leaves), jc.NoCompression() if comp is None else comp)
 
 
 def train(name: str, cfg, mesh, data, steps: int, eval_every: int) -> dict:

@@ -241,12 +241,10 @@ def _sharded_int8_bytes(mesh, axis: str, params, bucket_bytes: int | None) -> fl
     return wire_bytes(fn.lower(grads, tree).compile().as_text())
 
 
-def wire_bytes_per_kind(
-    mesh, axis: str, params, bucket_bytes: int | None, methods: tuple[str, ...] = METHODS
-) -> dict[str, float]:
-    """Bytes per device of an exact and a 1-bit mean of a parameter-shaped tree, and (if
-    ``methods`` use them) of an int4 (error feedback) mean and of a ``sharded_int8`` step
-    (HLO)."""
+def mean_wire_bytes(mesh, axis: str, tree, compressor, bucket_bytes: int | None = None) -> float:
+    """Bytes per device on the wire of one ``jc.compressed_pmean`` of an fp32 tree shaped like
+    ``tree`` (a pytree of arrays or shape structs), inside ``shard_map`` over ``axis``, read
+    from the compiled HLO. The benchmarks' traffic columns use it too."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -255,27 +253,40 @@ def wire_bytes_per_kind(
     from jaxcomm.hlo import wire_bytes
 
     n = mesh.shape[axis]
-    tree = jax.tree.map(lambda p: jax.ShapeDtypeStruct((n, *p.shape), jnp.float32), params)
+    local = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32), tree)
+    glob = jax.tree.map(lambda p: jax.ShapeDtypeStruct((n, *p.shape), jnp.float32), local)
+    state = jc.init_state(compressor, local, axis_size=n, bucket_bytes=bucket_bytes)
+    g_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), state)
+
+    def body(t, s):
+        t, s = jax.tree.map(lambda x: x[0], (t, s))
+        if not jax.tree.leaves(s):
+            s = None
+        out, s = jc.compressed_pmean(
+            t, s, axis_name=axis, compressor=compressor, bucket_bytes=bucket_bytes
+        )
+        return out, jax.tree.map(lambda x: x[None], s)
+
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P(axis)))
+    )
+    return wire_bytes(fn.lower(glob, g_state).compile().as_text())
+
+
+def wire_bytes_per_kind(
+    mesh, axis: str, params, bucket_bytes: int | None, methods: tuple[str, ...] = METHODS
+) -> dict[str, float]:
+    """Bytes per device of an exact and a 1-bit mean of a parameter-shaped tree, and (if
+    ``methods`` use them) of an int4 (error feedback) mean and of a ``sharded_int8`` step
+    (HLO)."""
+    import jaxcomm as jc
+
     out = {LOCAL: 0.0}
     kinds = [(EXACT, jc.NoCompression()), (ONEBIT, jc.OneBit())]
     if "diloco_int4" in methods:  # DiLoCo's outer gradients
         kinds.append((DILOCO_INT4, jc.Quantize(bits=4, error_feedback=True)))
     for kind, comp in kinds:
-        local = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
-        state = jc.init_state(comp, local, axis_size=n, bucket_bytes=bucket_bytes)
-        g_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), state)
-
-        def body(t, s, comp=comp):
-            t, s = jax.tree.map(lambda x: x[0], (t, s))
-            out, s = jc.compressed_pmean(
-                t, s, axis_name=axis, compressor=comp, bucket_bytes=bucket_bytes
-            )
-            return out, jax.tree.map(lambda x: x[None], s)
-
-        fn = jax.jit(
-            jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P(axis)))
-        )
-        out[kind] = wire_bytes(fn.lower(tree, g_state).compile().as_text())
+        out[kind] = mean_wire_bytes(mesh, axis, params, comp, bucket_bytes)
     if "sharded_int8" in methods:
         out[SHARDED_INT8] = _sharded_int8_bytes(mesh, axis, params, bucket_bytes)
     return out

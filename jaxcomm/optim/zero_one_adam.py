@@ -123,18 +123,24 @@ class _Step:
         """``sqrt(v_hat) + eps``, damped where ``v`` is (near) zero (``variance_floor``)."""
         return damped_denominator(v, self.eps, self.floor, scale=self.c2)
 
+    def leaf_step(self, m: jax.Array, den: jax.Array, p: jax.Array | None) -> jax.Array:
+        """``lr * (m_hat / den + wd * p)`` for one leaf (before the sign)."""
+        update = (m / self.c1) / den
+        if p is not None:
+            update = update + self.wd * p
+        return self.lr * update
+
+    def params_or_none(self, like: PyTree) -> PyTree:
+        """The fp32 parameters, or a ``None`` per leaf of ``like`` (no weight decay)."""
+        if self.params is not None:
+            return self.params
+        return jax.tree.map(lambda _: None, like)
+
     def adam_step(self, mu: PyTree, nu: PyTree) -> PyTree:
         """``lr * (m_hat / denom(v) + wd * p)`` per leaf (before the sign)."""
-
-        def one(m, v, p):
-            update = (m / self.c1) / self.denom(v)
-            if p is not None:
-                update = update + self.wd * p
-            return self.lr * update
-
-        if self.params is None:
-            return jax.tree.map(lambda m, v: one(m, v, None), mu, nu)
-        return jax.tree.map(one, mu, nu, self.params)
+        return jax.tree.map(
+            lambda m, v, p: self.leaf_step(m, self.denom(v), p), mu, nu, self.params_or_none(mu)
+        )
 
     def onebit_mean(self, tree, comm):
         return compressed_mean_call(tree, comm, self.axis_name, self.compressor, self.bucket_bytes)
@@ -197,10 +203,7 @@ class _Step:
         den = self.denom(nu_new)
 
         def step_of(m):
-            update = (m / self.c1) / den
-            if p is not None:
-                update = update + self.wd * p
-            return self.lr * update
+            return self.leaf_step(m, den, p)
 
         # Kind 0, variance update: the exact mean gradient updates m (and v, before this).
         m_var = ema(mu, mean, self.b1)
@@ -475,7 +478,7 @@ def zero_one_adam(
         # A non-finite gradient or mean on any device skips the step on every device (one
         # int32 pmin; local steps would otherwise let the devices' schedules drift apart):
         # moments, local updates and schedules stay, the collectives' guard kept the error
-        # feedback. Boolean reductions, fused into the passes that produce g and the mean.
+        # feedback. Float sums over g and the mean (see all_finite).
         ok = all_finite(g, mean)
         ok = lax.pmin(ensure_varying(ok.astype(jnp.int32), axis_name), axis_name) > 0
         skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
@@ -488,25 +491,15 @@ def zero_one_adam(
             mean,
         )
         lrs_sync = state.lrs + step.lr  # the learning rates summed over the local steps
-        if step.params is None:
-            leaves = jax.tree.map(
-                lambda g_, m, v, a, x: step.apply_leaf(kind, ok, g_, m, v, a, x, None, lrs_sync),
-                g,
-                mu,
-                nu,
-                u,
-                mean,
-            )
-        else:
-            leaves = jax.tree.map(
-                lambda g_, m, v, a, x, p: step.apply_leaf(kind, ok, g_, m, v, a, x, p, lrs_sync),
-                g,
-                mu,
-                nu,
-                u,
-                mean,
-                step.params,
-            )
+        leaves = jax.tree.map(
+            lambda g_, m, v, a, x, p: step.apply_leaf(kind, ok, g_, m, v, a, x, p, lrs_sync),
+            g,
+            mu,
+            nu,
+            u,
+            mean,
+            step.params_or_none(g),
+        )
         new_mu, new_u, delta = unzip(leaves, g, 3)
         lrs = jnp.where(kind == 2, lrs_sync, jnp.where(kind == 3, 0.0, state.lrs))
         candidate = ZeroOneAdamState(

@@ -158,12 +158,15 @@ def scale_by_onebit_adam(
 
         def compress(g, mu, comm):
             local = ema(mu, g, b1_)  # in the branch, so that it fuses into the 1-bit pass
-            if precondition:
-                # Compress the preconditioned momentum m / denom (what the step applies; its
-                # magnitudes are even across coordinates, so one 1-bit scale fits them), then
-                # map the mean back: v is frozen and identical on every device.
-                local = jax.tree.map(lambda m, d: m / d, local, denominator(state.nu, True))
-            return compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
+            if not precondition:
+                return compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
+            # Compress the preconditioned momentum m / denom (what the step applies; its
+            # magnitudes are even across coordinates, so one 1-bit scale fits them), then map
+            # the mean back: v is frozen and identical on every device.
+            denom = denominator(state.nu, True)
+            local = jax.tree.map(lambda m, d: m / d, local, denom)
+            mean, comm = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
+            return jax.tree.map(lambda x, d: x * d, mean, denom), comm
 
         args = (grads, state.mu, state.comm)
         if static_freeze is not None and static_freeze <= 0:
@@ -172,10 +175,6 @@ def scale_by_onebit_adam(
         else:
             frozen = state.count >= freeze_step
             mean, comm = lax.cond(frozen, compress, warm, *args)
-        if precondition:
-            mean = jax.tree.map(
-                lambda x, d: jnp.where(frozen, x * d, x), mean, denominator(state.nu, True)
-            )
         # warm-up: mean = the exact mean gradient g, m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2;
         # after: mean = the 1-bit mean of the momentum, m = mask(mean), v frozen.
         mu = jax.tree.map(

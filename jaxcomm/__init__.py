@@ -37,6 +37,7 @@ from jaxcomm.hierarchical import (
     init_hierarchical_state,
     wire_bytes_by_axes,
 )
+from jaxcomm.host_allocator import configure_host_allocator
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
 from jaxcomm.optim.diloco import diloco
 from jaxcomm.optim.diloco_state import (
@@ -103,6 +104,7 @@ __all__ = [
     "compressed_psum",
     "compressed_psum_scatter",
     "init_distributed",
+    "configure_host_allocator",
     "init_state",
     "resize_state",
     "reshard_train_state",

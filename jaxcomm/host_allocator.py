@@ -1,0 +1,99 @@
+"""Host allocator settings that keep XLA:CPU's step buffers mapped between steps (glibc).
+
+An XLA:CPU step allocates its temporaries and outputs with ``malloc`` every time it runs. glibc
+serves a request above its mmap threshold (dynamic, at most 32 MiB) with a fresh ``mmap`` and
+returns it to the kernel on ``free``, and each thread's arena is trimmed back when its top is
+free: the next step touches brand-new pages and pays a page fault per 4 KiB (measured here,
+0.4 ms per MiB written against 0.02 ms in a mapped buffer). A train step of a 16.8M-parameter
+model allocates hundreds of MiB this way, so its element-wise passes ran at a fraction of the
+memory bandwidth, and a compressed step (more passes per parameter than Adam's) lost more than
+the communication saved.
+
+:func:`configure_host_allocator` makes every thread allocate from glibc's main heap
+(``M_ARENA_MAX=1``), serves large blocks from that heap instead of ``mmap``
+(``M_MMAP_THRESHOLD``) and never gives freed memory back to the kernel (``M_TRIM_THRESHOLD``,
+``M_TOP_PAD``): from the second step on, every buffer a step needs is already mapped. Measured on
+the 2-core AMD EPYC of ``benchmarks/train_step_1gbit.py`` (MLP 4 x 2048 x 2048, 2 CPU devices in
+one process, ms per step, before -> after): local Adam 138 -> ~90, 1-bit Adam 273 -> ~150, 0/1
+Adam's local step 262 -> ~140.
+
+The cost: the process's resident memory stays at its peak heap (freed memory is kept for the
+next step, which is what a training loop wants) and small allocations of all threads share one
+arena lock. The settings are process-wide and only take effect before JAX starts its threads: call
+it first, before any JAX computation. :func:`jaxcomm.init_distributed` calls it for CPU backends
+(``host_allocator=False`` opts out).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+# mallopt(3) parameters (glibc's malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+_INT_MAX = 2**31 - 1
+
+#: What :func:`configure_host_allocator` sets: ``(mallopt parameter, name, value)``.
+SETTINGS = (
+    (_M_ARENA_MAX, "M_ARENA_MAX", 1),
+    (_M_MMAP_THRESHOLD, "M_MMAP_THRESHOLD", _INT_MAX),
+    (_M_TRIM_THRESHOLD, "M_TRIM_THRESHOLD", _INT_MAX),
+    (_M_TOP_PAD, "M_TOP_PAD", 256 << 20),
+)
+
+_applied = False
+
+
+def _mallopt():
+    """glibc's ``mallopt``, or ``None`` (another C library, or no C library to load)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else ctypes.CDLL(None)
+        fn = libc.mallopt
+        # gnu_get_libc_version exists only in glibc: musl's mallopt is a no-op stub.
+        libc.gnu_get_libc_version  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def configure_host_allocator() -> bool:
+    """Keep the buffers of XLA:CPU steps mapped between steps (see the module docstring).
+
+    Sets glibc's ``M_ARENA_MAX=1``, ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` to their
+    largest value and ``M_TOP_PAD`` to 256 MiB, once per process. Call it before any JAX
+    computation (threads that already allocated keep their arenas: measured, no effect then).
+
+    Returns:
+      ``True`` if the settings are in place (now or by an earlier call), ``False`` where the C
+      library is not glibc (nothing is changed).
+
+    Examples:
+      Call it first thing in a CPU training script (here only the settings are listed, since
+      calling it changes the whole process):
+
+      >>> from jaxcomm.host_allocator import SETTINGS
+      >>> [name for _, name, _ in SETTINGS]
+      ['M_ARENA_MAX', 'M_MMAP_THRESHOLD', 'M_TRIM_THRESHOLD', 'M_TOP_PAD']
+    """
+    global _applied
+    if _applied:
+        return True
+    mallopt = _mallopt()
+    if mallopt is None:
+        logger.info("configure_host_allocator: not glibc, nothing changed")
+        return False
+    for param, name, value in SETTINGS:
+        if mallopt(param, value) != 1:  # pragma: no cover (glibc accepts all four)
+            logger.warning("configure_host_allocator: mallopt(%s, %d) refused", name, value)
+            return False
+    _applied = True
+    return True

@@ -17,6 +17,7 @@ from jaxcomm.layout import round_up
 
 # Bit k of a packed byte (most significant first) holds element 8*i + k: DeepSpeed's order.
 _BIT_SHIFTS = np.arange(7, -1, -1, dtype=np.uint8)
+_BIT_MASKS = np.left_shift(1, _BIT_SHIFTS).astype(np.uint8)  # 128, 64, ..., 1
 
 #: OneBit's states are the two-stage states (the same fields); the names stay for readability.
 OneBitState = TwoStageState
@@ -29,11 +30,22 @@ def pack_signs(values: jax.Array) -> jax.Array:
     return jnp.sum(bits << _BIT_SHIFTS, axis=-1, dtype=jnp.uint8)
 
 
+def scaled_signs(packed: jax.Array, scale: jax.Array | float) -> jax.Array:
+    """``scale * unpack_signs(packed)`` (``scale`` broadcast against ``packed``'s shape).
+
+    A select of ``scale`` or ``-scale`` on a masked bit: XLA:CPU vectorises it; shifting the
+    bits down and converting them to floats (``(bit * 2 - 1) * scale``, the same values) ran
+    5.6x slower (41 vs 7.4 ms for 64 MiB of output on one core).
+    """
+    set_ = (packed[..., None] & _BIT_MASKS) != 0
+    scale = jnp.asarray(scale, jnp.float32)[..., None]
+    out = jnp.where(set_, scale, -scale)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+
+
 def unpack_signs(packed: jax.Array) -> jax.Array:
     """Inverse of :func:`pack_signs` as ``+1.0 / -1.0`` floats; the last axis grows 8x."""
-    bits = (packed[..., None] >> _BIT_SHIFTS) & 1
-    signs = bits.astype(jnp.float32) * 2.0 - 1.0
-    return signs.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+    return scaled_signs(packed, 1.0)
 
 
 def _sign(values: jax.Array) -> jax.Array:
@@ -49,9 +61,9 @@ def _weighted_sign_sum(packed: jax.Array, weights: jax.Array) -> jax.Array:
     """
     n = packed.shape[0]
     if n <= 16:
-        total = weights[0] * unpack_signs(packed[0])
+        total = scaled_signs(packed[0], weights[0])
         for j in range(1, n):
-            total = total + weights[j] * unpack_signs(packed[j])
+            total = total + scaled_signs(packed[j], weights[j])
         return total
     return jnp.einsum("j,jm->m", weights, unpack_signs(packed))
 
@@ -187,7 +199,7 @@ class OneBit(Compressor):
             server_error = jnp.where(server_ok, server_error, jnp.where(finite, 0.0, c))
             finite = finite & server_ok
         signs = all_gather_replicated(pack_signs(c), axis_name)
-        out = (unpack_signs(signs) * scales[:, None]).reshape(-1)[:numel]
+        out = scaled_signs(signs, scales[:, None]).reshape(-1)[:numel]
         return out, OneBitState(worker_error, server_error), finite
 
     def all_reduce(self, flat, state: OneBitState, *, axis_name, axis_size):

@@ -169,6 +169,7 @@ def damped_denominator(
     *,
     scale: jax.Array | float = 1.0,
     enabled: jax.Array | bool = True,
+    mean: jax.Array | None = None,
 ) -> jax.Array:
     """``max(sqrt(v / scale), floor * rms) + eps`` with ``rms = sqrt(mean(v) / scale)`` over the
     leaf (``enabled`` false, a bool that may be traced: ``sqrt(v / scale) + eps``).
@@ -179,12 +180,13 @@ def damped_denominator(
     warm-up, the key part of an attention bias) is divided by that floor instead of by
     ``~eps``: 1-bit compression hands it a non-zero momentum (a bucket scale times a sign),
     which would otherwise become a ``m / eps`` step. ``floor=None`` (or 0): ``sqrt(v / scale) +
-    eps``, DeepSpeed's rule.
+    eps``, DeepSpeed's rule. ``mean``: ``mean(v)`` if the caller has it (a reduction over the
+    leaf is a pass of its own; a frozen ``v`` has the same mean at every step).
     """
     root = jnp.sqrt(v / scale)
     if floor is None or is_static_zero(floor) or v.size == 0:
         return root + eps
-    rms = jnp.sqrt(jnp.mean(v) / scale)
+    rms = jnp.sqrt((jnp.mean(v) if mean is None else mean) / scale)
     low = jnp.where(enabled, jnp.asarray(floor, v.dtype) * rms, jnp.zeros_like(rms))
     return jnp.maximum(root, low) + eps
 
@@ -215,6 +217,21 @@ def all_finite(*trees: PyTree) -> jax.Array:
         if jnp.size(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
             total = total + jnp.sum(x, dtype=jnp.float32)
     return jnp.isfinite(total)
+
+
+def mean_finite(mean: PyTree, old_comm: PyTree, new_comm: PyTree, axis_name: str) -> jax.Array:
+    """Whether a ``compressed_pmean`` result ``mean`` is finite (a replicated bool scalar).
+
+    Read from the collectives' guard when the state counts non-finite calls (``nonfinite``
+    unchanged on every device: one int32 ``pmin``, no pass over the mean; the guard decides
+    from the few values it already has, e.g. OneBit's scales, of which every output element is
+    one times a sign), else :func:`all_finite` of ``mean``.
+    """
+    counter = getattr(new_comm, "nonfinite", ())
+    if not jax.tree_util.tree_leaves(counter):
+        return all_finite(mean)
+    same = jnp.all(counter == old_comm.nonfinite).astype(jnp.int32)
+    return lax.pmin(ensure_varying(same, axis_name), axis_name) > 0
 
 
 def keep_if(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:

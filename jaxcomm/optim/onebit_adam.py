@@ -43,6 +43,7 @@ from jaxcomm.optim._common import (
     f32,
     keep_if,
     learning_rate_at,
+    mean_finite,
     needs_params,
     resolve_axis_size,
     static_bucket_bytes,
@@ -139,42 +140,53 @@ def scale_by_onebit_adam(
             c1 = 1 - b1_ ** t.astype(jnp.float32)
             c2 = 1 - b2_**tv
 
-        def denominator(nu, frozen):
-            """``sqrt(v_hat) + eps``, damped after the freeze (``variance_floor``).
+        # The floor's leaf means, one read-only pass over the frozen v per step: the floor
+        # applies only after the freeze, when v is state.nu (taking the mean of v / c2 would
+        # give that quotient two consumers, and XLA would materialise it).
+        nu_means = jax.tree.map(jnp.mean if floor is not None else (lambda _: None), state.nu)
 
-            The leaf's mean is taken of ``v`` itself (a read-only pass): taking it of ``v / c2``
-            would give that quotient two consumers, and XLA would materialise it.
-            """
+        def denominator(nu, frozen):
+            """``sqrt(v_hat) + eps``, damped after the freeze (``variance_floor``)."""
             return jax.tree.map(
-                lambda v: damped_denominator(v, eps_, floor, scale=c2, enabled=frozen), nu
+                lambda v, mean: damped_denominator(
+                    v, eps_, floor, scale=c2, enabled=frozen, mean=mean
+                ),
+                nu,
+                nu_means,
             )
 
         # Only the communication is in the lax.cond (the exact mean of the gradients during
-        # the warm-up, the 1-bit mean of the momentum after it); the moments are updated after
-        # it, elementwise in their own (donated) buffers: state that passes through a lax.cond
-        # is copied by XLA, in both branches.
+        # the warm-up, the 1-bit mean of the momentum after it), and whether its mean is finite
+        # (the compressed one from the collectives' guard, without another pass over the mean).
+        # The moments are updated after it, elementwise in their own (donated) buffers: a state
+        # that passes through a lax.cond is copied by XLA (handing it through one branch
+        # unchanged does not help: measured, v copied after the freeze).
         def warm(g, mu, comm):
-            return exact_mean(g, axis_name, bucket_bytes), comm
+            mean = exact_mean(g, axis_name, bucket_bytes)
+            return mean, comm, all_finite(mean)
 
         def compress(g, mu, comm):
             local = ema(mu, g, b1_)  # in the branch, so that it fuses into the 1-bit pass
-            if not precondition:
-                return compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
-            # Compress the preconditioned momentum m / denom (what the step applies; its
-            # magnitudes are even across coordinates, so one 1-bit scale fits them), then map
-            # the mean back: v is frozen and identical on every device.
-            denom = denominator(state.nu, True)
-            local = jax.tree.map(lambda m, d: m / d, local, denom)
-            mean, comm = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
-            return jax.tree.map(lambda x, d: x * d, mean, denom), comm
+            denom = None
+            if precondition:
+                # Compress the preconditioned momentum m / denom (what the step applies; its
+                # magnitudes are even across coordinates, so one 1-bit scale fits them), then
+                # map the mean back: v is frozen and identical on every device.
+                denom = denominator(state.nu, True)
+                local = jax.tree.map(lambda m, d: m / d, local, denom)
+            mean, new = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
+            ok = mean_finite(mean, comm, new, axis_name)
+            if denom is not None:
+                mean = jax.tree.map(lambda x, d: x * d, mean, denom)
+            return mean, new, ok
 
         args = (grads, state.mu, state.comm)
         if static_freeze is not None and static_freeze <= 0:
             frozen = jnp.asarray(True)
-            mean, comm = compress(*args)
+            mean, comm, ok = compress(*args)
         else:
             frozen = state.count >= freeze_step
-            mean, comm = lax.cond(frozen, compress, warm, *args)
+            mean, comm, ok = lax.cond(frozen, compress, warm, *args)
         # warm-up: mean = the exact mean gradient g, m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2;
         # after: mean = the 1-bit mean of the momentum, m = mask(mean), v frozen.
         mu = jax.tree.map(
@@ -188,7 +200,6 @@ def scale_by_onebit_adam(
         )
         # A non-finite mean gradient or momentum (NaN/Inf on any device) skips the step: the
         # moments stay, the collectives' guard kept the error feedback, nothing moves.
-        ok = all_finite(mean)
         mu, nu = keep_if(ok, mu, state.mu), keep_if(ok, nu, state.nu)
         skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
         check_skips(skipped, max_consecutive_skips, "onebit_adam")

@@ -37,6 +37,7 @@ from jaxcomm.optim._common import (
     f32,
     keep_if,
     learning_rate_at,
+    mean_finite,
     needs_params,
     resolve_axis_size,
     static_bucket_bytes,
@@ -143,7 +144,12 @@ class _Step:
         )
 
     def onebit_mean(self, tree, comm):
-        return compressed_mean_call(tree, comm, self.axis_name, self.compressor, self.bucket_bytes)
+        """The 1-bit mean, the new error feedback and whether the mean is finite (from the
+        collectives' guard: no pass over the mean, see ``mean_finite``)."""
+        mean, new = compressed_mean_call(
+            tree, comm, self.axis_name, self.compressor, self.bucket_bytes
+        )
+        return mean, new, mean_finite(mean, comm, new, self.axis_name)
 
     def local_accumulated(self, g, mu, nu, u):
         """``(m_local, step, u - step)`` of a frozen-stage step on this device's gradient."""
@@ -152,7 +158,8 @@ class _Step:
         return m_local, step, jax.tree.map(lambda a, s: a - s, u, step)
 
     def communicate(self, kind, g, mu, nu, u, comm):
-        """The mean each kind of step needs, and the new error feedback (``lax.switch``).
+        """The mean each kind of step needs, the new error feedback and whether the mean is
+        finite (``lax.switch``).
 
         Only the communication is in the switch: state that passes through a ``lax.cond`` or
         ``lax.switch`` and is read after it is copied by XLA in every branch, so the moments,
@@ -163,7 +170,8 @@ class _Step:
 
         def var_update(g, mu, nu, u, comm):
             """Variance stage, ``t % var_interval == 0``: the exact mean gradient."""
-            return exact_mean(g, self.axis_name, self.bucket_bytes), comm
+            mean = exact_mean(g, self.axis_name, self.bucket_bytes)
+            return mean, comm, all_finite(mean)
 
         def onebit_momentum(g, mu, nu, u, comm):
             """Variance stage, other steps: the 1-bit mean of the gradients, or with
@@ -177,7 +185,7 @@ class _Step:
         def local_step(g, mu, nu, u, comm):
             """Frozen stage, no synchronisation: nothing to send (zeros, replicated like the
             means of the other kinds)."""
-            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), g), comm
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), g), comm, jnp.bool_(True)
 
         def local_step_sync(g, mu, nu, u, comm):
             """Frozen stage, ``t % local_interval == 0``: the 1-bit mean of the accumulated
@@ -474,12 +482,12 @@ def zero_one_adam(
         kind = jnp.where(frozen, jnp.where(sync, 3, 2), jnp.where(var_step, 0, 1)).astype(jnp.int32)
         g = f32(updates)
         mu, u = varying(state.local.mu, axis_name), varying(state.local.u, axis_name)
-        mean, comm = step.communicate(kind, g, mu, state.nu, u, state.comm)
+        mean, comm, mean_ok = step.communicate(kind, g, mu, state.nu, u, state.comm)
         # A non-finite gradient or mean on any device skips the step on every device (one
         # int32 pmin; local steps would otherwise let the devices' schedules drift apart):
         # moments, local updates and schedules stay, the collectives' guard kept the error
-        # feedback. Float sums over g and the mean (see all_finite).
-        ok = all_finite(g, mean)
+        # feedback. A float sum over g (see all_finite); the mean's from its branch.
+        ok = all_finite(g) & mean_ok
         ok = lax.pmin(ensure_varying(ok.astype(jnp.int32), axis_name), axis_name) > 0
         skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
         check_skips(skipped, max_consecutive_skips, "zero_one_adam")

@@ -466,10 +466,14 @@ def _in_process(config: BenchConfig) -> list[BenchRow]:
     import jax
 
     from jaxcomm.distributed import backends_initialized
+    from jaxcomm.host_allocator import configure_host_allocator
 
-    # Simulated devices must be requested before jax initializes its CPU backend.
-    if not backends_initialized() and "JAX_NUM_CPU_DEVICES" not in os.environ:
-        jax.config.update("jax_num_cpu_devices", config.devices)
+    # Simulated devices must be requested before jax initializes its CPU backend, and the
+    # host allocator set as the multi-process workers' init_distributed sets it.
+    if not backends_initialized():
+        configure_host_allocator()
+        if "JAX_NUM_CPU_DEVICES" not in os.environ:
+            jax.config.update("jax_num_cpu_devices", config.devices)
     import numpy as np
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P

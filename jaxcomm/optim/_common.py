@@ -169,7 +169,6 @@ def damped_denominator(
     *,
     scale: jax.Array | float = 1.0,
     enabled: jax.Array | bool = True,
-    mean: jax.Array | None = None,
 ) -> jax.Array:
     """``max(sqrt(v / scale), floor * rms) + eps`` with ``rms = sqrt(mean(v) / scale)`` over the
     leaf (``enabled`` false, a bool that may be traced: ``sqrt(v / scale) + eps``).
@@ -180,13 +179,12 @@ def damped_denominator(
     warm-up, the key part of an attention bias) is divided by that floor instead of by
     ``~eps``: 1-bit compression hands it a non-zero momentum (a bucket scale times a sign),
     which would otherwise become a ``m / eps`` step. ``floor=None`` (or 0): ``sqrt(v / scale) +
-    eps``, DeepSpeed's rule. ``mean``: ``mean(v)`` if the caller has it (a reduction over the
-    leaf is a pass of its own; a frozen ``v`` has the same mean at every step).
+    eps``, DeepSpeed's rule.
     """
     root = jnp.sqrt(v / scale)
     if floor is None or is_static_zero(floor) or v.size == 0:
         return root + eps
-    rms = jnp.sqrt((jnp.mean(v) if mean is None else mean) / scale)
+    rms = jnp.sqrt(jnp.mean(v) / scale)
     low = jnp.where(enabled, jnp.asarray(floor, v.dtype) * rms, jnp.zeros_like(rms))
     return jnp.maximum(root, low) + eps
 

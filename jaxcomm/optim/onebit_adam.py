@@ -140,19 +140,16 @@ def scale_by_onebit_adam(
             c1 = 1 - b1_ ** t.astype(jnp.float32)
             c2 = 1 - b2_**tv
 
-        # The floor's leaf means, one read-only pass over the frozen v per step: the floor
-        # applies only after the freeze, when v is state.nu (taking the mean of v / c2 would
-        # give that quotient two consumers, and XLA would materialise it).
-        nu_means = jax.tree.map(jnp.mean if floor is not None else (lambda _: None), state.nu)
-
         def denominator(nu, frozen):
-            """``sqrt(v_hat) + eps``, damped after the freeze (``variance_floor``)."""
+            """``sqrt(v_hat) + eps``, damped after the freeze (``variance_floor``).
+
+            The leaf's mean is taken of ``v`` itself (a read-only pass): taking it of ``v / c2``
+            would give that quotient two consumers, and XLA would materialise it. (Taken once
+            per step, outside the cond, the means made the pmap and shard_map programs round
+            differently: tests/test_examples.py holds them bit for bit equal.)
+            """
             return jax.tree.map(
-                lambda v, mean: damped_denominator(
-                    v, eps_, floor, scale=c2, enabled=frozen, mean=mean
-                ),
-                nu,
-                nu_means,
+                lambda v: damped_denominator(v, eps_, floor, scale=c2, enabled=frozen), nu
             )
 
         # Only the communication is in the lax.cond (the exact mean of the gradients during

@@ -75,7 +75,7 @@ from jax import lax
 from jaxcomm._compat import ensure_varying
 from jaxcomm.collectives import compressed_pmean, init_state
 from jaxcomm.compressors import Compressor
-from jaxcomm.optim._common import check_skips
+from jaxcomm.optim._common import all_finite, check_skips
 from jaxcomm.optim.diloco_state import (
     DiLoCoLocal,
     DiLoCoState,
@@ -243,8 +243,7 @@ def diloco(
         (``counts``: outer steps skipped, in all and in a row)."""
         updates, new_outer = outer.update(delta, outer_state, theta)
         new_theta = optax.apply_updates(theta, updates)
-        checks = [jnp.all(jnp.isfinite(x)) for x in (*delta, *new_theta)]
-        finite = jnp.all(jnp.stack(checks))
+        finite = all_finite(delta, new_theta)
         new_theta = [jnp.where(finite, a, b) for a, b in zip(new_theta, theta, strict=True)]
         new_outer = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_outer, outer_state)
         if static_alpha_zero:
@@ -287,7 +286,8 @@ def diloco(
         inner_updates, inner_state = inner.update(updates, state.local.inner, params)
         local = jax.tree.leaves(optax.apply_updates(params, inner_updates))
         # Per device: a step that makes the local copy non-finite is not taken (state kept).
-        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in local]))
+        # A float sum (see all_finite: boolean reductions are slow on XLA:CPU).
+        ok = all_finite(local)
         local = [jnp.where(ok, x, p) for x, p in zip(local, param_leaves, strict=True)]
         inner_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), inner_state, state.local.inner)
         inner_nonfinite = state.local.nonfinite + jnp.where(ok, 0, 1).astype(jnp.int32)

@@ -8,6 +8,11 @@ and carried from step to step), one method after the other:
 
 * ``local``: the floor of any method: loss, gradients and an ``optax.adam`` step jitted on the
   process's own device, nothing sent (state donated);
+* ``local_sync``: ``local`` followed by one scalar all-reduce, in the timed step: what a
+  data-parallel step pays at least, since its ranks meet at every collective (every
+  ``make_train_step`` step averages the loss): the wait for the slower rank. On one machine
+  shared by both ranks their steps drift apart by several ms (a scalar all-reduce alone takes
+  0.25 ms);
 * ``wire_1bit``: the other floor: only the 1-bit payload of the whole model (the packed signs'
   ``all_to_all`` and ``all_gather``, uint8, as ``jc.OneBit`` sends them), no compute;
 * ``exact``: ``optax.chain(jc.compressed_mean(axis, jc.NoCompression()), optax.adam(lr))``;
@@ -69,6 +74,7 @@ DILOCO_H = 16  # DiLoCo's sync_every in the timed cycles (the papers use 50-500:
 
 METHODS = {
     "local": "local Adam step, nothing sent (floor)",
+    "local_sync": "local Adam step + the ranks meet once",
     "wire_1bit": "1-bit payload only, no compute (floor)",
     "exact": "exact: compressed_mean(NoCompression)+adam",
     "cmean_onebit": "compressed_mean(OneBit)+adam",
@@ -313,7 +319,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     for name in names:
         t0 = time.perf_counter()
-        if name == "local":
+        if name in ("local", "local_sync"):
             dev = jax.local_devices()[0]
             adam = optax.adam(1e-3)
 
@@ -333,6 +339,8 @@ def _worker(args: argparse.Namespace) -> None:
             def run(fn=fn, holder=holder, lbatch=lbatch, name=name):
                 holder["state"], loss = fn(holder["state"], lbatch)
                 jax.block_until_ready((holder["state"], loss))
+                if name == "local_sync":  # the ranks meet, as every collective makes them
+                    barrier_fn(token).block_until_ready()
                 return float(loss)
 
         elif name == "wire_1bit":
@@ -528,6 +536,10 @@ def _table(s: dict) -> str:
         )
     if s["local_plus_wire_s"]:
         rows.append(f"local step + 1-bit wire time = {s['local_plus_wire_s'] * 1e3:.1f} ms")
+    sync = s["median_s"].get("local_sync")
+    if sync and "wire_1bit" in s["median_s"]:
+        both = sync + s["median_s"]["wire_1bit"]
+        rows.append(f"local step + meeting + 1-bit wire time = {both * 1e3:.1f} ms")
     rows.append("* every collective of the compiled step, both branches of a lax.cond/switch")
     return "\n".join(rows)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -37,3 +38,31 @@ def run_two_ranks(
         if not result.ok:
             raise LaunchError(result)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def report_two_ranks(
+    script: str,
+    worker_args: list[str],
+    args,
+    *,
+    prefix: str,
+    summarize: Callable,
+    table: Callable,
+) -> int:
+    """The launcher side of a benchmark's ``main``: both ranks, then the summary.
+
+    Runs :func:`run_two_ranks` with ``args.rate``, ``args.no_shape`` and ``args.timeout``,
+    prints ``table(summarize(ranks, args, shaped))`` and writes the summary to ``args.json``
+    when given. Returns the exit status (0, also when shaping is impossible: SKIP printed).
+    """
+    shaped = not args.no_shape
+    ranks = run_two_ranks(
+        script, worker_args, rate=args.rate, shaped=shaped, timeout=args.timeout, prefix=prefix
+    )
+    if ranks is None:
+        return 0
+    summary = summarize(ranks, args, shaped)
+    print(table(summary), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0

@@ -550,29 +550,21 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args)
         return 0
 
-    from _two_ranks import run_two_ranks
+    from _two_ranks import report_two_ranks
 
-    shaped = not args.no_shape
     worker_args = ["--model", args.model, "--width", str(args.width), "--layers", str(args.layers)]
     worker_args += ["--batch", str(args.batch), "--repeats", str(args.repeats)]
     worker_args += ["--methods", args.methods]
     if args.bucket_bytes is not None:
         worker_args += ["--bucket-bytes", str(args.bucket_bytes)]
-    ranks = run_two_ranks(
+    return report_two_ranks(
         __file__,
         worker_args,
-        rate=args.rate,
-        shaped=shaped,
-        timeout=args.timeout,
+        args,
         prefix="jaxcomm-train-step-",
+        summarize=_summarize,
+        table=_table,
     )
-    if ranks is None:
-        return 0
-    summary = _summarize(ranks, args, shaped)
-    print(_table(summary), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -307,7 +307,8 @@ def keep_finite(state, new_states, finites):
     Each compressed bucket has already kept its previous state when its own output or new
     state was not finite (:meth:`Compressor.guarded_all_reduce_bucket`, decided from its
     :meth:`Compressor.finite_probe` or, for OneBit, from the scales before the residuals are
-    written, so the guard costs no pass of its own); ``finites`` are those buckets' flags
+    written, so the guard costs no pass of its own, only OneBit's read of the old worker
+    residual in the select that keeps it); ``finites`` are those buckets' flags
     (bool scalars). Buckets are guarded independently, so their chains stay independent: a
     NaN in one bucket's leaves leaves the other buckets' error feedback moving. Under normal
     propagation a non-finite input on any device makes that bucket's (replicated) all-reduce

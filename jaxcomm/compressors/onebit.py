@@ -26,8 +26,7 @@ OneBitScatterState = TwoStageScatterState
 
 def pack_signs(values: jax.Array) -> jax.Array:
     """Pack ``values >= 0`` 8 per byte, most significant bit first. ``len(values) % 8 == 0``."""
-    bits = (values >= 0).astype(jnp.uint8).reshape(-1, 8)
-    return jnp.sum(bits << _BIT_SHIFTS, axis=-1, dtype=jnp.uint8)
+    return _pack_rows(values.reshape(-1, 8))
 
 
 def scaled_sign_rows(packed: jax.Array, scale: jax.Array | float) -> jax.Array:
@@ -52,7 +51,7 @@ def scaled_signs(packed: jax.Array, scale: jax.Array | float) -> jax.Array:
 
 
 def _pack_rows(rows: jax.Array) -> jax.Array:
-    """:func:`pack_signs` of ``(..., M, 8)`` rows: one byte per row."""
+    """``rows >= 0`` packed one byte per ``(..., M, 8)`` row, most significant bit first."""
     return jnp.sum((rows >= 0).astype(jnp.uint8) << _BIT_SHIFTS, axis=-1, dtype=jnp.uint8)
 
 

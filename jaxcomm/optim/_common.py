@@ -217,19 +217,26 @@ def all_finite(*trees: PyTree) -> jax.Array:
     return jnp.isfinite(total)
 
 
-def mean_finite(mean: PyTree, old_comm: PyTree, new_comm: PyTree, axis_name: str) -> jax.Array:
-    """Whether a ``compressed_pmean`` result ``mean`` is finite (a replicated bool scalar).
+def mean_finite(
+    mean: PyTree, old_comm: PyTree, new_comm: PyTree, axis_name: str, *, replicated: bool = True
+) -> jax.Array:
+    """Whether a ``compressed_pmean`` result ``mean`` is finite (a bool scalar).
 
     Read from the collectives' guard when the state counts non-finite calls (``nonfinite``
-    unchanged on every device: one int32 ``pmin``, no pass over the mean; the guard decides
-    from the few values it already has, e.g. OneBit's scales, of which every output element is
-    one times a sign), else :func:`all_finite` of ``mean``.
+    unchanged on every device: no pass over the mean; the guard decides from the few values it
+    already has, e.g. OneBit's scales, of which every output element is one times a sign), else
+    :func:`all_finite` of ``mean``. ``replicated``: typed as replicated (one int32 ``pmin``);
+    ``False`` for a caller that takes its own ``pmin`` of the flag (the result is then typed as
+    varying, with the same value on every device).
     """
     counter = getattr(new_comm, "nonfinite", ())
     if not jax.tree_util.tree_leaves(counter):
-        return all_finite(mean)
-    same = jnp.all(counter == old_comm.nonfinite).astype(jnp.int32)
-    return lax.pmin(ensure_varying(same, axis_name), axis_name) > 0
+        finite = all_finite(mean)
+        return finite if replicated else ensure_varying(finite, axis_name)
+    same = ensure_varying(jnp.all(counter == old_comm.nonfinite), axis_name)
+    if not replicated:
+        return same
+    return lax.pmin(same.astype(jnp.int32), axis_name) > 0
 
 
 def keep_if(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:

@@ -145,11 +145,12 @@ class _Step:
 
     def onebit_mean(self, tree, comm):
         """The 1-bit mean, the new error feedback and whether the mean is finite (from the
-        collectives' guard: no pass over the mean, see ``mean_finite``)."""
+        collectives' guard: no pass over the mean, see ``mean_finite``; typed as varying: the
+        step takes one pmin of it with the gradients' flag)."""
         mean, new = compressed_mean_call(
             tree, comm, self.axis_name, self.compressor, self.bucket_bytes
         )
-        return mean, new, mean_finite(mean, comm, new, self.axis_name)
+        return mean, new, mean_finite(mean, comm, new, self.axis_name, replicated=False)
 
     def local_accumulated(self, g, mu, nu, u):
         """``(m_local, step, u - step)`` of a frozen-stage step on this device's gradient."""
@@ -171,7 +172,7 @@ class _Step:
         def var_update(g, mu, nu, u, comm):
             """Variance stage, ``t % var_interval == 0``: the exact mean gradient."""
             mean = exact_mean(g, self.axis_name, self.bucket_bytes)
-            return mean, comm, all_finite(mean)
+            return mean, comm, ensure_varying(all_finite(mean), self.axis_name)
 
         def onebit_momentum(g, mu, nu, u, comm):
             """Variance stage, other steps: the 1-bit mean of the gradients, or with
@@ -185,7 +186,8 @@ class _Step:
         def local_step(g, mu, nu, u, comm):
             """Frozen stage, no synchronisation: nothing to send (zeros, replicated like the
             means of the other kinds)."""
-            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), g), comm, jnp.bool_(True)
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), g)
+            return zeros, comm, ensure_varying(jnp.bool_(True), self.axis_name)
 
         def local_step_sync(g, mu, nu, u, comm):
             """Frozen stage, ``t % local_interval == 0``: the 1-bit mean of the accumulated

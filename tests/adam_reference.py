@@ -46,6 +46,17 @@ class BucketedOneBit:
         return np.concatenate(out)
 
 
+def floored_root(v: np.ndarray, leaf_sizes, floor: float) -> np.ndarray:
+    """``max(sqrt(v), floor * sqrt(mean_leaf(v)))`` leaf by leaf over the flat ``v``: the
+    variance floor of jaxcomm's 1-bit optimizers."""
+    parts, start = [], 0
+    for size in leaf_sizes:
+        leaf = v[start : start + size]
+        parts.append(np.maximum(np.sqrt(leaf), floor * np.sqrt(leaf.mean())))
+        start += size
+    return np.concatenate(parts)
+
+
 class OnebitAdamModel:
     """DeepSpeed ``OnebitAdam``: exact warm-up for ``freeze_step`` updates, then 1-bit momentum.
 
@@ -108,12 +119,7 @@ class OnebitAdamModel:
             v = v / (1 - self.b2 ** max(min(self.t, self.freeze_step), 1))
         root = np.sqrt(v)
         if self.floor and self.t > self.freeze_step:
-            parts, start = [], 0
-            for size in self.leaf_sizes:
-                leaf = v[start : start + size]
-                parts.append(np.maximum(np.sqrt(leaf), self.floor * np.sqrt(leaf.mean())))
-                start += size
-            root = np.concatenate(parts)
+            root = floored_root(v, self.leaf_sizes, self.floor)
         update = m / (root + self.eps) + self.wd * self.p
         self.p = self.p - lr * update
         return self.p
@@ -196,14 +202,7 @@ class ZeroOneAdamModel:
 
     def _denom(self) -> np.ndarray:
         v = self.v / self._corrections()[1]
-        root = np.sqrt(v)
-        if self.floor:
-            parts, start = [], 0
-            for size in self.leaf_sizes:
-                leaf = v[start : start + size]
-                parts.append(np.maximum(np.sqrt(leaf), self.floor * np.sqrt(leaf.mean())))
-                start += size
-            root = np.concatenate(parts)
+        root = floored_root(v, self.leaf_sizes, self.floor) if self.floor else np.sqrt(v)
         return root + self.eps
 
     def _update(self) -> np.ndarray:

@@ -117,19 +117,28 @@ def test_onebit_adam_compression_changes_the_result():
     assert not np.allclose(flat(onebit[-1]), flat(exact[-1]), rtol=1e-4)
 
 
+#: A 0/1 Adam schedule short enough for a test that reaches every kind of step.
+ZERO_ONE_KW = dict(
+    weight_decay=0.01,
+    var_freeze_step=6,
+    var_update_scaler=2,
+    local_step_scaler=2,
+    local_step_clipper=4,
+)
+ZERO_ONE_STEPS = 15
+
+
+def _zero_one_run():
+    """``(kw, lr, steps)`` of the 0/1 Adam model tests: ZERO_ONE_KW, an lr schedule and the
+    gradient steps."""
+    lr = optax.linear_schedule(0.02, 0.01, ZERO_ONE_STEPS)
+    return dict(ZERO_ONE_KW), lr, grad_steps(ZERO_ONE_STEPS, seed=5)
+
+
 def test_zero_one_adam_matches_deepspeed_model():
     """Every rule of 0/1 Adam: exact variance steps, 1-bit momentum steps, the variance freeze
     (errors zeroed), local steps and synchronisations with a growing interval."""
-    kw = dict(
-        weight_decay=0.01,
-        var_freeze_step=6,
-        var_update_scaler=2,
-        local_step_scaler=2,
-        local_step_clipper=4,
-    )
-    total = 15
-    lr = optax.linear_schedule(0.02, 0.01, total)
-    steps = grad_steps(total, seed=5)
+    kw, lr, steps = _zero_one_run()
     history, state = run(jc.zero_one_adam(lr, axis_name="dp", deepspeed_compat=True, **kw), steps)
     model = ZeroOneAdamModel(N, flat(init_params()), lr=lr, **kw)
     for k, (grads, got) in enumerate(zip(steps, history, strict=True)):
@@ -153,16 +162,7 @@ def test_zero_one_adam_jaxcomm_rules_match_model(precondition):
     bias correction (v by the steps its updates cover), the interval-weighted variance EMA, the
     variance floor, 1-bit momentum (not gradients) in the variance stage, preconditioned 1-bit
     means; every branch, weight decay and an lr schedule."""
-    kw = dict(
-        weight_decay=0.01,
-        var_freeze_step=6,
-        var_update_scaler=2,
-        local_step_scaler=2,
-        local_step_clipper=4,
-    )
-    total = 15
-    lr = optax.linear_schedule(0.02, 0.01, total)
-    steps = grad_steps(total, seed=5)
+    kw, lr, steps = _zero_one_run()
     tx = jc.zero_one_adam(lr, axis_name="dp", precondition=precondition, **kw)
     history, state = run(tx, steps)
     model = ZeroOneAdamModel(

@@ -33,6 +33,10 @@ and carried from step to step), one method after the other:
   cycle of ``H = 16`` (15 inner steps that send nothing, one sync of the int4 outer gradient;
   ``diloco_int4_local`` / ``_sync`` apart). The papers' ``H`` of 50-500 amortises the sync
   further.
+* ``onebit_adam_phased``, ``zero_one_adam_phased``, ``diloco_int4_phased``: the same three
+  with ``jc.make_train_step(..., specialize_phases=True)``: each phase of the schedule is its
+  own program, chosen on the host per step (:mod:`jaxcomm.phases`; a probe reads the step
+  count first, which is in the timed step).
 
 Models (``--model``): ``mlp``, ``--layers`` x (``--width`` x ``--width`` + bias), 16.8M fp32
 parameters (64 MiB) by default, batch 16 per process; ``transformer``, a pre-LN decoder of the
@@ -84,16 +88,30 @@ METHODS = {
     "onebit_lamb": "onebit_lamb, compressed phase",
     "sharded_int8": "sharded(adam), int8 grads + int8 weights",
     "diloco_int4": f"diloco(adam, nesterov), int4+EF, mean of H={DILOCO_H}",
+    "onebit_adam_phased": "onebit_adam, specialize_phases=True",
+    "zero_one_adam_phased": "zero_one_adam, specialize_phases=True",
+    "diloco_int4_phased": "diloco_int4, specialize_phases=True",
 }
+#: Methods run with ``make_train_step(..., specialize_phases=True)``: name -> the method.
+PHASED = {f"{m}_phased": m for m in ("onebit_adam", "zero_one_adam", "diloco_int4")}
 #: Rows derived from the cycled methods (not methods of their own).
 DERIVED = {
     "zero_one_local": "  0/1 Adam local step (nothing sent)",
     "zero_one_sync": "  0/1 Adam sync step (1-bit)",
     "diloco_int4_local": "  DiLoCo inner step (nothing sent)",
     "diloco_int4_sync": "  DiLoCo sync step (int4 outer gradient)",
+    "zero_one_phased_local": "  0/1 Adam local step, phased",
+    "zero_one_phased_sync": "  0/1 Adam sync step, phased",
+    "diloco_int4_phased_local": "  DiLoCo inner step, phased",
+    "diloco_int4_phased_sync": "  DiLoCo sync step, phased",
 }
 #: Methods timed over whole sync cycles: name -> prefix of their derived rows.
-CYCLES = {"zero_one_adam": "zero_one", "diloco_int4": "diloco_int4"}
+CYCLES = {
+    "zero_one_adam": "zero_one",
+    "diloco_int4": "diloco_int4",
+    "zero_one_adam_phased": "zero_one_phased",
+    "diloco_int4_phased": "diloco_int4_phased",
+}
 
 
 def make_tx(name: str, axis: str, bucket_bytes: int | None, lr: float = 1e-3):
@@ -370,6 +388,18 @@ def _worker(args: argparse.Namespace) -> None:
                 holder["state"].block_until_ready()
                 return 0.0
 
+        elif name in PHASED:  # compiled per phase on first use; wire bytes after the run
+            tx = make_tx(PHASED[name], "dp", args.bucket_bytes)
+            step, state = jc.make_train_step(
+                mesh, "dp", loss_fn, tx, params, specialize_phases=True
+            )
+            holder = {"state": state, "step": step}
+
+            def run(step=step, holder=holder):
+                holder["state"], loss = step(holder["state"], batch)
+                jax.block_until_ready((holder["state"], loss))
+                return float(loss)
+
         else:
             tx = make_tx(name, "dp", args.bucket_bytes)
             step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
@@ -396,7 +426,7 @@ def _worker(args: argparse.Namespace) -> None:
         """Whether the next step of a cycled method synchronises."""
         opt = holder["state"].opt_state
         count = _host_int(opt.count)
-        if name == "zero_one_adam":
+        if PHASED.get(name, name) == "zero_one_adam":
             return (count + 1) % _host_int(opt.local_interval) == 0
         return (count + 1) % DILOCO_H == 0
 
@@ -419,7 +449,7 @@ def _worker(args: argparse.Namespace) -> None:
         for _ in range(WARMUP):
             barrier()
             losses[name].append(run())
-        if name == "zero_one_adam":  # until the interval reached its cap and a cycle ended
+        if PHASED.get(name, name) == "zero_one_adam":  # until the interval reached its cap
             while True:
                 opt = holder["state"].opt_state
                 interval, count = _host_int(opt.local_interval), _host_int(opt.count)
@@ -427,7 +457,7 @@ def _worker(args: argparse.Namespace) -> None:
                     break
                 barrier()
                 losses[name].append(run())
-        if name == "diloco_int4":  # until a cycle ended
+        if PHASED.get(name, name) == "diloco_int4":  # until a cycle ended
             while _host_int(holder["state"].opt_state.count) % DILOCO_H:
                 barrier()
                 losses[name].append(run())
@@ -443,6 +473,10 @@ def _worker(args: argparse.Namespace) -> None:
             times[name].append(time.perf_counter() - t0)
     for name in names:
         print(f"rank {rank} {name}: {times[name]}"[:400], flush=True)
+        if name in PHASED:  # the program of its last timed step (compressed, or a sync)
+            step, state = runners[name][1]["step"], runners[name][1]["state"]
+            program = step.program(step.last_phases)
+            wire[name] = wire_bytes(program.lower(state, batch).compile().as_text())
     result = dict(
         rank=rank,
         num_processes=n,
@@ -540,7 +574,10 @@ def _table(s: dict) -> str:
     if sync and "wire_1bit" in s["median_s"]:
         both = sync + s["median_s"]["wire_1bit"]
         rows.append(f"local step + meeting + 1-bit wire time = {both * 1e3:.1f} ms")
-    rows.append("* every collective of the compiled step, both branches of a lax.cond/switch")
+    rows.append(
+        "* every collective of the compiled step, both branches of a lax.cond/switch "
+        "(phased: of the program of its last timed step, compressed or a sync)"
+    )
     return "\n".join(rows)
 
 

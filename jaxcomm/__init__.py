@@ -67,6 +67,7 @@ from jaxcomm.parallel import (
     to_pmap_layout,
     train_state_specs,
 )
+from jaxcomm.phases import PhasedStep, phase, phase_cond, phase_switch
 from jaxcomm.reshard import reshard_train_state, train_state_template
 from jaxcomm.resize import resize_state
 
@@ -134,6 +135,10 @@ __all__ = [
     "local_view",
     "make_pmap_train_step",
     "make_train_step",
+    "PhasedStep",
+    "phase",
+    "phase_cond",
+    "phase_switch",
     "params_of",
     "register_per_device_type",
     "stack_per_device",

@@ -33,6 +33,7 @@ parameters is refused at trace time by ``check_vma`` instead of silently divergi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -44,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm._compat import ensure_varying
+from jaxcomm.phases import PhasedStep, record_phases
 from jaxcomm.state import (
     ReduceState,
     ScatterState,
@@ -312,6 +314,7 @@ def make_train_step(
     has_aux: bool = False,
     donate: bool = True,
     check_vma: bool = True,
+    specialize_phases: bool = False,
 ) -> tuple[Callable, TrainState]:
     """A jitted ``shard_map`` data-parallel train step and its initial state.
 
@@ -331,6 +334,13 @@ def make_train_step(
       donate: donate the input state's buffers to the step (do not reuse a state after passing
         it to ``step``; copy it first, e.g. ``jax.tree.map(jnp.copy, state)``).
       check_vma: passed to ``jax.shard_map``.
+      specialize_phases: compile each phase of ``tx``'s schedule as its own program and pick
+        it on the host per step (a :class:`jaxcomm.phases.PhasedStep`): the warm-up and the
+        compressed steps of ``jc.onebit_adam`` / ``jc.onebit_lamb`` / ``jc.compressed_mean``,
+        0/1 Adam's four kinds of step, DiLoCo's inner and synchronising steps. Same results;
+        faster steps (no ``lax.cond`` / ``lax.switch`` left in the program: measured -10% on
+        a 1-bit Adam step, -20% on a 0/1 Adam local step), one compile per phase seen, and each
+        call waits for its input state (a small probe reads the step count). Off: one program.
 
     Returns:
       ``(step, state)``: ``step(state, batch) -> (state, metrics)`` where ``batch`` is the
@@ -342,11 +352,18 @@ def make_train_step(
     """
     state = init_train_state(mesh, axis_name, tx, params)
 
-    def global_step(state: TrainState, batch):
+    def global_step(state: TrainState, batch, probe: bool = False):
         specs = train_state_specs(state, axis_name)
 
         def body(state, batch):
             blocks = state.params if params_are_per_device(state.opt_state) else None
+            if probe:  # the phases only: the step itself is dead code
+                with record_phases() as recorded:
+                    _local_train_step(
+                        loss_fn, tx, axis_name, has_aux, local_view(state), batch, True, blocks
+                    )
+                values = jnp.stack(recorded.values) if recorded.values else jnp.zeros(0, int)
+                return ensure_varying(values.astype(jnp.int32), axis_name)[None]
             new, metrics = _local_train_step(
                 loss_fn, tx, axis_name, has_aux, local_view(state), batch, True, blocks
             )
@@ -358,13 +375,16 @@ def make_train_step(
             body,
             mesh=mesh,
             in_specs=(specs, _split_batch_spec(axis_name, batch)),
-            out_specs=(specs, P()),
+            out_specs=P(axis_name) if probe else (specs, P()),
             check_vma=check_vma,
         )
         return mapped(state, batch)
 
-    step = jax.jit(global_step, donate_argnums=(0,) if donate else ())
-    return step, state
+    donate_argnums = (0,) if donate else ()
+    if specialize_phases:
+        probe = functools.partial(global_step, probe=True)
+        return PhasedStep(global_step, probe, donate_argnums=donate_argnums), state
+    return jax.jit(global_step, donate_argnums=donate_argnums), state
 
 
 def _owned(tree: PyTree) -> PyTree:

@@ -10,7 +10,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jaxcomm.collectives import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit
@@ -22,6 +21,7 @@ from jaxcomm.optim._common import (
     static_bucket_bytes,
     static_int,
 )
+from jaxcomm.phases import phase, phase_cond
 
 
 class CompressedMeanState(NamedTuple):
@@ -94,8 +94,8 @@ def compressed_mean(
         if static_warmup is not None and static_warmup <= 0:
             mean, comm = compressed(updates, state.comm)
         else:
-            mean, comm = lax.cond(
-                state.count < warmup_steps, exact, compressed, updates, state.comm
+            mean, comm = phase_cond(
+                phase(state.count < warmup_steps), exact, compressed, updates, state.comm
             )
         return mean, CompressedMeanState(count=optax.safe_increment(state.count), comm=comm)
 

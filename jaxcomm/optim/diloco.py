@@ -84,6 +84,7 @@ from jaxcomm.optim.diloco_state import (
     fragment_leaves,
     fragment_offsets,
 )
+from jaxcomm.phases import phase, phase_cond
 
 
 def _axis_size(axis_name, axis_size: int | None) -> int:
@@ -311,8 +312,8 @@ def diloco(
                 def keep(th, x, outer_state, comm, counts):
                     return th, x, outer_state, comm, counts
 
-                th, x, outers[f], comms[f], counts = lax.cond(
-                    t % H == offsets[f], sync, keep, th, x, outers[f], comms[f], counts
+                th, x, outers[f], comms[f], counts = phase_cond(
+                    phase(t % H == offsets[f]), sync, keep, th, x, outers[f], comms[f], counts
                 )
             else:
                 prev = [before[i] for i in ids]
@@ -325,8 +326,8 @@ def diloco(
                     return pending, comm
 
                 issued = ((t - 1) % H == offsets[f]) & (t > 1)
-                inflights[f], comms[f] = lax.cond(
-                    issued, issue, wait, th, prev, inflights[f], comms[f]
+                inflights[f], comms[f] = phase_cond(
+                    phase(issued), issue, wait, th, prev, inflights[f], comms[f]
                 )
 
                 def merge(pending, th, outer_state, x, counts):
@@ -336,8 +337,8 @@ def diloco(
                     return th, outer_state, x, counts
 
                 merged = ((t - tau) % H == offsets[f]) & (t - tau >= 1)
-                th, outers[f], x, counts = lax.cond(
-                    merged, merge, hold, inflights[f], th, outers[f], x, counts
+                th, outers[f], x, counts = phase_cond(
+                    phase(merged), merge, hold, inflights[f], th, outers[f], x, counts
                 )
             for i, a, b in zip(ids, th, x, strict=True):
                 theta[i], local[i] = a, b
@@ -364,8 +365,8 @@ def diloco(
             # compared at the steps that communicate anyway (one int32 max), so a device that
             # keeps failing stops the run at the next sync.
             talks = [(t % H == o) if tau == 0 else ((t - 1) % H == o) & (t > 1) for o in offsets]
-            worst = lax.cond(
-                jnp.any(jnp.stack(talks)),
+            worst = phase_cond(
+                phase(jnp.any(jnp.stack(talks))),
                 lambda x: lax.pmax(x, axis_name),
                 lambda x: jnp.zeros([], jnp.int32),
                 in_a_row,

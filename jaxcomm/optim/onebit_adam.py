@@ -25,7 +25,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jaxcomm.collectives import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit
@@ -50,6 +49,7 @@ from jaxcomm.optim._common import (
     static_int,
     zeros_f32,
 )
+from jaxcomm.phases import phase, phase_cond
 
 
 class OneBitAdamState(NamedTuple):
@@ -178,12 +178,13 @@ def scale_by_onebit_adam(
             return mean, new, ok
 
         args = (grads, state.mu, state.comm)
+        # The phase is a Python bool when it is static or the step is phase-specialised
+        # (jaxcomm.phases): then only its branch is traced and the selects below fold.
         if static_freeze is not None and static_freeze <= 0:
-            frozen = jnp.asarray(True)
-            mean, comm, ok = compress(*args)
+            frozen = True
         else:
-            frozen = state.count >= freeze_step
-            mean, comm, ok = lax.cond(frozen, compress, warm, *args)
+            frozen = phase(state.count >= freeze_step)
+        mean, comm, ok = phase_cond(frozen, compress, warm, *args)
         # warm-up: mean = the exact mean gradient g, m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2;
         # after: mean = the 1-bit mean of the momentum, m = mask(mean), v frozen.
         mu = jax.tree.map(

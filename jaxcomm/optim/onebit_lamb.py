@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from jaxcomm.collectives import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit
@@ -39,6 +38,7 @@ from jaxcomm.optim._common import (
     unzip,
     zeros_f32,
 )
+from jaxcomm.phases import phase, phase_cond
 
 
 class OneBitLambState(NamedTuple):
@@ -355,8 +355,8 @@ def onebit_lamb(
             state.scaling_coeff,
             state.comm,
         )
-        mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta = lax.cond(
-            state.count < freeze_step, warm, compress, *args
+        mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta = phase_cond(
+            phase(state.count < freeze_step), warm, compress, *args
         )
         # A non-finite step (NaN/Inf in any device's gradient reaches the mean) is skipped:
         # moments, coefficients and factors stay, the collectives' guard kept the error feedback.

@@ -45,6 +45,7 @@ from jaxcomm.optim._common import (
     varying,
     zeros_f32,
 )
+from jaxcomm.phases import phase, phase_switch
 from jaxcomm.state import per_device
 
 
@@ -202,7 +203,7 @@ class _Step:
             return self.onebit_mean(u, comm)
 
         branches = (var_update, onebit_momentum, local_step, local_step_sync)
-        return lax.switch(kind, branches, g, mu, nu, u, comm)
+        return phase_switch(kind, branches, g, mu, nu, u, comm)
 
     def denoms(self, nu: PyTree) -> PyTree:
         return jax.tree.map(self.denom, nu)
@@ -242,7 +243,10 @@ class _Step:
 
 
 def _by_kind(kind: jax.Array, values) -> jax.Array:
-    """``values[kind]`` elementwise (kind a traced int32 scalar in ``[0, len(values))``)."""
+    """``values[kind]`` elementwise (kind a traced int32 scalar in ``[0, len(values))``, or a
+    Python int in a phase-specialised step: then the other values are dead code)."""
+    if isinstance(kind, int):
+        return values[kind]
     out = values[-1]
     for i in range(len(values) - 2, -1, -1):
         out = jnp.where(kind == i, values[i], out)
@@ -482,6 +486,7 @@ def zero_one_adam(
         )
         sync = (t % state.local_interval) == 0
         kind = jnp.where(frozen, jnp.where(sync, 3, 2), jnp.where(var_step, 0, 1)).astype(jnp.int32)
+        kind = phase(kind, 4)  # a Python int in a phase-specialised step (jaxcomm.phases)
         g = f32(updates)
         mu, u = varying(state.local.mu, axis_name), varying(state.local.u, axis_name)
         mean, comm, mean_ok = step.communicate(kind, g, mu, state.nu, u, state.comm)

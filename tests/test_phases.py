@@ -1,0 +1,165 @@
+"""Phase-specialised train steps (jaxcomm.phases, make_train_step(specialize_phases=True))."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import NUM_DEVICES
+
+import jaxcomm as jc
+from jaxcomm.hlo import collectives_in_hlo
+from jaxcomm.phases import fixed_phases, record_phases
+
+N = NUM_DEVICES
+D = 24
+STEPS = 12
+LR = 1e-2
+
+
+def regression(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(4 * N, D)).astype(np.float32)
+    y = (x @ rng.normal(size=(D,)) + 0.3).astype(np.float32)
+    return {"w": np.zeros((D,), np.float32), "b": np.zeros((), np.float32)}, (x, y)
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def batch_on(mesh, batch):
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp"))
+    return jax.device_put(batch, split)
+
+
+# Exact compressors: no 1-bit sign can flip on a last-bit difference, so the two programs'
+# trajectories differ by fp32 rounding only (XLA contracts multiply-adds differently in them).
+SCHEDULES = {
+    "onebit_adam": (
+        lambda c: jc.onebit_adam(LR, freeze_step=4, axis_name="dp", compressor=c),
+        {(0,), (1,)},
+    ),
+    "zero_one_adam": (
+        lambda c: jc.zero_one_adam(
+            LR,
+            var_freeze_step=4,
+            local_step_scaler=1,
+            local_step_clipper=4,
+            axis_name="dp",
+            compressor=c,
+        ),
+        {(0,), (2,), (3,)},
+    ),
+    "onebit_lamb": (
+        lambda c: jc.onebit_lamb(LR, freeze_step=4, axis_name="dp", compressor=c),
+        {(0,), (1,)},
+    ),
+    "compressed_mean": (
+        lambda c: optax.chain(jc.compressed_mean("dp", c, warmup_steps=3), optax.adam(LR)),
+        {(0,), (1,)},
+    ),
+    "diloco": (
+        lambda c: jc.diloco(optax.adam(LR), optax.sgd(0.7, momentum=0.9), 4, "dp", compressor=c),
+        {(0, 0), (1, 1)},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_specialised_step_follows_the_single_program(mesh, name):
+    make, phases = SCHEDULES[name]
+    params, batch = regression()
+    batch = batch_on(mesh, batch)
+    one, s1 = jc.make_train_step(mesh, "dp", loss_fn, make(jc.NoCompression()), params)
+    phased, s2 = jc.make_train_step(
+        mesh, "dp", loss_fn, make(jc.NoCompression()), params, specialize_phases=True
+    )
+    for _ in range(STEPS):
+        s1, l1 = one(s1, batch)
+        s2, l2 = phased(s2, batch)
+        # A few fp32 ulps per step (rounding of fused multiply-adds), over 12 steps.
+        np.testing.assert_allclose(l2, l1, rtol=STEPS * 8 * 2**-24 * 10)
+    assert set(phased.compiled_phases) == phases
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+def test_onebit_programs_have_no_branch_and_the_probe_sends_nothing(mesh):
+    params, batch = regression()
+    batch = batch_on(mesh, batch)
+    tx = jc.onebit_adam(LR, freeze_step=2, axis_name="dp")
+    single, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+    assert "conditional" in single.lower(state, batch).compile().as_text()
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params, specialize_phases=True)
+    assert step.phases(state, batch) == (0,)
+    for _ in range(3):
+        state, _ = step(state, batch)
+    assert step.phases(state, batch) == (1,) == step.last_phases
+    for values in step.compiled_phases:
+        hlo = step.program(values).lower(state, batch).compile().as_text()
+        assert "conditional" not in hlo
+        kinds = {c.op for c in collectives_in_hlo(hlo)}
+        # warm-up: the exact fp32 mean; compressed: OneBit's packed signs, no fp32 all-reduce
+        # of the parameters' size.
+        assert ("all-to-all" in kinds) == (values == (1,))
+    probe = jax.jit(step._probe).lower(state, batch).compile().as_text()
+    assert collectives_in_hlo(probe) == []
+
+
+def test_a_schedule_without_phases_compiles_one_program(mesh):
+    params, batch = regression()
+    batch = batch_on(mesh, batch)
+    tx = optax.chain(jc.compressed_mean("dp", jc.NoCompression()), optax.sgd(0.1))
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params, specialize_phases=True)
+    for _ in range(3):
+        state, _ = step(state, batch)
+    assert step.compiled_phases == [()]
+
+
+def test_phase_helpers_outside_a_specialised_step_are_lax_cond_and_switch():
+    count = jnp.int32(3)
+    pred = jc.phase(count < 2)
+    assert isinstance(pred, jax.Array)  # traced/array value handed back unchanged
+
+    def f(c):
+        return jc.phase_cond(jc.phase(c < 2), lambda x: x + 1, lambda x: x - 1, jnp.float32(5))
+
+    assert float(jax.jit(f)(count)) == 4.0 and float(jax.jit(f)(jnp.int32(0))) == 6.0
+    branches = [lambda x: x * 0, lambda x: x * 10, lambda x: x * 100]
+    g = jax.jit(lambda k: jc.phase_switch(jc.phase(k, 3), branches, jnp.float32(2)))
+    assert [float(g(jnp.int32(k))) for k in range(3)] == [0.0, 20.0, 200.0]
+    # Python values pick the branch without tracing the other one.
+    assert jc.phase_cond(True, lambda: 1, lambda: 1 / 0) == 1
+    assert jc.phase_switch(1, [lambda: 1 / 0, lambda: 7]) == 7
+
+
+def test_fixed_phases_hand_out_python_values_in_order():
+    with record_phases() as recorded:
+        jc.phase(jnp.bool_(True))
+        jc.phase(jnp.int32(2), 4)
+    assert [int(v) for v in recorded.values] == [1, 2]
+    with fixed_phases((1, 2)):
+        assert jc.phase(jnp.bool_(False)) is True
+        assert jc.phase(jnp.int32(0), 4) == 2
+    with pytest.raises(RuntimeError, match="asked for 1 phases"):
+        with fixed_phases((1, 2)):
+            jc.phase(jnp.bool_(False))
+    with pytest.raises(RuntimeError, match="more phases"), fixed_phases(()):
+        jc.phase(jnp.bool_(False))
+    with pytest.raises(ValueError, match="outside"), fixed_phases((5,)):
+        jc.phase(jnp.int32(0), 4)
+
+
+@pytest.mark.parametrize(
+    "value, cases, err",
+    [
+        (jnp.zeros(3, bool), 2, TypeError),
+        (jnp.float32(1.0), 2, TypeError),
+        (jnp.int32(1), 0, ValueError),
+    ],
+)
+def test_bad_phase_values_are_refused(value, cases, err):
+    with pytest.raises(err, match="phase"):
+        jc.phase(value, cases)

@@ -162,7 +162,7 @@ def scale_by_onebit_adam(
             mean = exact_mean(g, axis_name, bucket_bytes)
             return mean, comm, all_finite(mean)
 
-        def compress(g, mu, comm):
+        def compress(g, mu, comm, map_back=True):
             local = ema(mu, g, b1_)  # in the branch, so that it fuses into the 1-bit pass
             denom = None
             if precondition:
@@ -173,7 +173,7 @@ def scale_by_onebit_adam(
                 local = jax.tree.map(lambda m, d: m / d, local, denom)
             mean, new = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
             ok = mean_finite(mean, comm, new, axis_name)
-            if denom is not None:
+            if denom is not None and map_back:
                 mean = jax.tree.map(lambda x, d: x * d, mean, denom)
             return mean, new, ok
 
@@ -184,7 +184,16 @@ def scale_by_onebit_adam(
             frozen = True
         else:
             frozen = phase(state.count >= freeze_step)
-        mean, comm, ok = phase_cond(frozen, compress, warm, *args)
+        step_of_mean = None
+        if frozen is True and precondition:
+            # Compressed steps only (static or phase-specialised): the step is the mean of the
+            # preconditioned momenta itself, mask(mean) / c1 (= (m / c1) / denom with m =
+            # mask(mean) * denom, up to rounding): no per-coordinate division in the update.
+            pre, comm, ok = compress(*args, map_back=False)
+            mean = jax.tree.map(lambda x, d: x * d, pre, denominator(state.nu, True))
+            step_of_mean = jax.tree.map(lambda x: x / c1, apply_mask(pre, momentum_mask))
+        else:
+            mean, comm, ok = phase_cond(frozen, compress, warm, *args)
         # warm-up: mean = the exact mean gradient g, m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2;
         # after: mean = the 1-bit mean of the momentum, m = mask(mean), v frozen.
         mu = jax.tree.map(
@@ -201,11 +210,9 @@ def scale_by_onebit_adam(
         mu, nu = keep_if(ok, mu, state.mu), keep_if(ok, nu, state.nu)
         skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
         check_skips(skipped, max_consecutive_skips, "onebit_adam")
-        direction = jax.tree.map(
-            lambda m, den: jnp.where(ok, (m / c1) / den, jnp.zeros_like(m)),
-            mu,
-            denominator(nu, frozen),
-        )
+        if step_of_mean is None:
+            step_of_mean = jax.tree.map(lambda m, den: (m / c1) / den, mu, denominator(nu, frozen))
+        direction = jax.tree.map(lambda d: jnp.where(ok, d, jnp.zeros_like(d)), step_of_mean)
         new_state = OneBitAdamState(
             jnp.where(ok, t, state.count),
             mu,

@@ -47,8 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomm._compat import ensure_varying
 from jaxcomm.phases import PhasedStep, record_phases
 from jaxcomm.state import (
-    ReduceState,
-    ScatterState,
+    block_types,
     holds_per_device_params,
     is_per_device,
     per_device_types,
@@ -154,13 +153,6 @@ def _rows(tree: PyTree, fn: Callable, keep: tuple[type, ...] = ()) -> PyTree:
     return _map_by_kind(tree, fn, lambda x: x, keep)
 
 
-#: Error-feedback states stay ``(1, *local)`` blocks in the shard_map body: the collectives take
-#: them in that layout, and a compressor that computes in it (``Compressor.takes_state_blocks``)
-#: updates the donated buffers in place; squeezed to ``(*local)`` and back, the same update is
-#: a fresh buffer plus a copy on XLA:CPU (its in-place rule does not see through the reshape).
-_BLOCK_STATES = (ReduceState, ScatterState)
-
-
 def stack_per_device(local_state: PyTree, n: int) -> PyTree:
     """Global layout from one device's state: per-device leaves repeated ``(n, *shape)``.
 
@@ -173,16 +165,17 @@ def stack_per_device(local_state: PyTree, n: int) -> PyTree:
 def local_view(state: PyTree) -> PyTree:
     """Inside ``shard_map``: per-device leaves arrive as ``(1, *local)`` blocks; drop that axis.
 
-    Error-feedback states (``jc.ReduceState``, ``jc.ScatterState``) stay blocks: only the
-    collectives read them, they take either layout, and in the block layout XLA updates them in
-    place.
+    States of the types registered with ``per_device(blocks=True)`` stay blocks (the error
+    feedback ``jc.ReduceState`` / ``jc.ScatterState``, 0/1 Adam's ``jc.LocalState``): the code
+    that reads them takes either layout, and in the block layout XLA updates the donated buffers
+    in place (squeezed and back, XLA:CPU writes a fresh buffer and copies it).
     """
-    return _rows(state, lambda x: x[0], _BLOCK_STATES)
+    return _rows(state, lambda x: x[0], block_types())
 
 
 def global_view(state: PyTree) -> PyTree:
     """Inverse of :func:`local_view`, before returning a state from the ``shard_map`` body."""
-    return _rows(state, lambda x: x[None], _BLOCK_STATES)
+    return _rows(state, lambda x: x[None], block_types())
 
 
 def init_opt_state(tx: optax.GradientTransformation, params: PyTree, axis_name: str, n: int):

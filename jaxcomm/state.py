@@ -39,21 +39,28 @@ StateOp = Literal["all_reduce", "reduce_scatter"]
 
 _PER_DEVICE: list[type] = []
 _PER_DEVICE_PARAMS: list[type] = []
+_BLOCKS: list[type] = []
 
 
-def per_device(cls: type | None = None, *, params: bool = False):
+def per_device(cls: type | None = None, *, params: bool = False, blocks: bool = False):
     """Class decorator: values of this (``NamedTuple``) type are private to each device.
 
     ``@per_device``: the node's leaves are per-device (error feedback, local moments): they are
     sharded over the data axis by :func:`jaxcomm.state_partition_specs`. ``@per_device(params=
     True)``: the optimizer state also keeps the parameters per device between syncs (0/1 Adam's
-    local steps), so the train state's params are per-device too.
+    local steps), so the train state's params are per-device too. ``blocks=True``:
+    :func:`jaxcomm.local_view` leaves the node's leaves as the ``(1, *local)`` blocks that
+    ``shard_map`` hands them (the code that reads them takes either layout): updated in that
+    layout, XLA writes the donated buffers in place, where through a squeeze and back it writes
+    a fresh buffer and copies it (XLA:CPU's in-place rule does not see through a reshape).
     """
 
     def mark(c: type) -> type:
         registry = _PER_DEVICE_PARAMS if params else _PER_DEVICE
         if c not in registry:
             registry.append(c)
+        if blocks and c not in _BLOCKS:
+            _BLOCKS.append(c)
         return c
 
     return mark if cls is None else mark(cls)
@@ -69,6 +76,11 @@ def per_device_types(*, params: bool = False) -> tuple[type, ...]:
     return tuple(_PER_DEVICE_PARAMS if params else _PER_DEVICE)
 
 
+def block_types() -> tuple[type, ...]:
+    """The per-device types registered with ``blocks=True`` (kept as blocks by ``local_view``)."""
+    return tuple(_BLOCKS)
+
+
 def is_per_device(node: Any) -> bool:
     """True for a node of a registered per-device type."""
     return isinstance(node, tuple(_PER_DEVICE))
@@ -82,7 +94,7 @@ def holds_per_device_params(node: Any) -> bool:
 # -- state types -----------------------------------------------------------------------------
 
 
-@per_device
+@per_device(blocks=True)
 class ReduceState(NamedTuple):
     """Error feedback of :func:`compressed_psum` / :func:`compressed_pmean`, one per bucket.
 
@@ -96,7 +108,7 @@ class ReduceState(NamedTuple):
     nonfinite: Any = ()
 
 
-@per_device
+@per_device(blocks=True)
 class ScatterState(NamedTuple):
     """Error feedback of :func:`compressed_psum_scatter`, one entry per bucket; ``nonfinite``
     as in :class:`ReduceState`."""

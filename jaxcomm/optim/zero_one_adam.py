@@ -35,6 +35,7 @@ from jaxcomm.optim._common import (
     ema,
     exact_mean,
     f32,
+    is_static_zero,
     keep_if,
     learning_rate_at,
     mean_finite,
@@ -49,14 +50,15 @@ from jaxcomm.phases import phase, phase_switch
 from jaxcomm.state import per_device
 
 
-@per_device
+@per_device(blocks=True)
 class LocalState(NamedTuple):
     """0/1 Adam's per-device leaves (they differ between devices between synchronisations).
 
     Attributes:
-      mu: first moment, fp32, shaped like the parameters.
+      mu: first moment, fp32, shaped like the parameters (inside ``jc.local_view``: as
+        ``(1, *shape)`` blocks, which :func:`zero_one_adam` updates in place).
       u: accumulated local updates since the last synchronisation (DeepSpeed's
-        ``momentum_accumulator``), fp32, shaped like the parameters.
+        ``momentum_accumulator``), fp32, shaped like ``mu``.
     """
 
     mu: PyTree
@@ -202,7 +204,17 @@ class _Step:
                 u = jax.tree.map(lambda a, d: a * d, u, self.denoms(nu))
             return self.onebit_mean(u, comm)
 
+        def shaped_like_g(branch):
+            """The branch, its mean shaped like the gradients (a mean of blocks is blocks)."""
+
+            def run(g, mu, nu, u, comm):
+                mean, comm, ok = branch(g, mu, nu, u, comm)
+                return jax.tree.map(lambda m, x: m.reshape(x.shape), mean, g), comm, ok
+
+            return run
+
         branches = (var_update, onebit_momentum, local_step, local_step_sync)
+        branches = tuple(shaped_like_g(b) for b in branches)
         return phase_switch(kind, branches, g, mu, nu, u, comm)
 
     def denoms(self, nu: PyTree) -> PyTree:
@@ -210,11 +222,23 @@ class _Step:
 
     def apply_leaf(self, kind, ok, g, mu, nu_new, u, mean, p, lrs_sync):
         """One leaf's new ``(m, u, delta)`` for the kind of step (``ok`` false: ``m``, ``u`` kept,
-        ``delta = 0``). ``nu_new`` is the variance after this step, ``mean`` the switch's."""
+        ``delta = 0``). ``nu_new`` is the variance after this step, ``mean`` the switch's.
+        ``m`` and ``u`` keep their layout (blocks or not), ``delta`` is shaped like ``g``."""
+        m, u_, delta = self._apply_leaf(kind, ok, g, mu, nu_new, u, mean, p, lrs_sync)
+        return m, u_, delta.reshape(g.shape)
+
+    def _apply_leaf(self, kind, ok, g, mu, nu_new, u, mean, p, lrs_sync):
         den = self.denom(nu_new)
 
         def step_of(m):
             return self.leaf_step(m, den, p)
+
+        if isinstance(kind, int) and kind == 2:  # a phase-specialised local step
+            # The new m is written over the old in place and the step read from it (the
+            # barrier orders the two): a step that read the old m besides would make XLA copy m.
+            new_m = lax.optimization_barrier(jnp.where(ok, ema(mu, g, self.b1), mu))
+            step = step_of(new_m)
+            return new_m, jnp.where(ok, u - step, u), jnp.where(ok, -step, jnp.zeros_like(step))
 
         # Kind 0, variance update: the exact mean gradient updates m (and v, before this).
         m_var = ema(mu, mean, self.b1)
@@ -479,7 +503,9 @@ def zero_one_adam(
             floor=floor,
             precondition=precondition,
             compress_momentum=compress_momentum,
-            params=None if params is None else f32(params),
+            # Without weight decay the step does not read p: an extra reader of the parameters
+            # (which the step writes in place) makes XLA copy them first.
+            params=None if params is None or is_static_zero(weight_decay) else f32(params),
             axis_name=axis_name,
             compressor=compressor,
             bucket_bytes=bucket_bytes,

@@ -89,8 +89,8 @@ def phase(value: jax.Array, cases: int = 2) -> jax.Array | bool | int:
     Examples:
       >>> import jax.numpy as jnp, jaxcomm as jc
       >>> count = jnp.int32(3)
-      >>> jc.phase_cond(jc.phase(count < 2), lambda x: x, lambda x: -x, jnp.float32(1.0))
-      Array(-1., dtype=float32, weak_type=True)
+      >>> float(jc.phase_cond(jc.phase(count < 2), lambda x: x, lambda x: -x, jnp.float32(1)))
+      -1.0
     """
     _check_value(value, cases)
     mode = getattr(_mode, "current", None)

@@ -66,9 +66,11 @@ def per_device(cls: type | None = None, *, params: bool = False, blocks: bool = 
     return mark if cls is None else mark(cls)
 
 
-def register_per_device_type(cls: type, *, params_per_device: bool = False) -> None:
+def register_per_device_type(
+    cls: type, *, params_per_device: bool = False, blocks: bool = False
+) -> None:
     """Function form of :func:`per_device` (for types defined outside jaxcomm)."""
-    per_device(cls, params=params_per_device)
+    per_device(cls, params=params_per_device, blocks=blocks)
 
 
 def per_device_types(*, params: bool = False) -> tuple[type, ...]:

@@ -36,6 +36,7 @@ LAYERS = {
     "jaxcomm.distributed": 0,
     "jaxcomm.distributed_env": 0,
     "jaxcomm.host_allocator": 0,
+    "jaxcomm.phases": 0,
     "jaxcomm.overlap": 0,
     "jaxcomm.compressors": 1,
     "jaxcomm.state": 2,

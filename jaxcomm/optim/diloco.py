@@ -298,6 +298,9 @@ def diloco(
         t = state.count + 1
         outers, inflights, comms = list(state.outer), list(state.inflight), list(state.comm)
         counts = (state.skipped, state.consecutive)
+        # Leaves that no outer step can change this step (known at trace time in a
+        # phase-specialised inner step): their update is the inner update itself.
+        inner_only = [True] * len(param_leaves)
         for f, ids in enumerate(fragment_leaves(len(param_leaves), F)):
             th = [theta[i] for i in ids]
             x = varying([local[i] for i in ids])
@@ -312,8 +315,9 @@ def diloco(
                 def keep(th, x, outer_state, comm, counts):
                     return th, x, outer_state, comm, counts
 
+                synced = phase(t % H == offsets[f])
                 th, x, outers[f], comms[f], counts = phase_cond(
-                    phase(t % H == offsets[f]), sync, keep, th, x, outers[f], comms[f], counts
+                    synced, sync, keep, th, x, outers[f], comms[f], counts
                 )
             else:
                 prev = [before[i] for i in ids]
@@ -336,17 +340,25 @@ def diloco(
                 def hold(pending, th, outer_state, x, counts):
                     return th, outer_state, x, counts
 
-                merged = ((t - tau) % H == offsets[f]) & (t - tau >= 1)
+                synced = phase(((t - tau) % H == offsets[f]) & (t - tau >= 1))
                 th, outers[f], x, counts = phase_cond(
-                    phase(merged), merge, hold, inflights[f], th, outers[f], x, counts
+                    synced, merge, hold, inflights[f], th, outers[f], x, counts
                 )
             for i, a, b in zip(ids, th, x, strict=True):
                 theta[i], local[i] = a, b
-        new_local = treedef.unflatten(local)
-        new_updates = jax.tree.map(
-            lambda new, p: (new.astype(f32) - jnp.asarray(p, f32)).astype(jnp.result_type(p)),
-            new_local,
-            params,
+                inner_only[i] = synced is False
+        inner_leaves = jax.tree.leaves(inner_updates)
+
+        def update_of(i, new, p):
+            if inner_only[i] and jnp.result_type(inner_leaves[i]) == jnp.result_type(p):
+                # p + u itself, not p + ((p + u) - p): exact, and the update does not read p
+                # (XLA then writes the per-device parameters in place instead of copying them).
+                u = inner_leaves[i]
+                return jnp.where(ok, u, jnp.zeros_like(u))
+            return (new.astype(f32) - jnp.asarray(p, f32)).astype(jnp.result_type(p))
+
+        new_updates = treedef.unflatten(
+            [update_of(i, x, p) for i, (x, p) in enumerate(zip(local, param_leaves, strict=True))]
         )
         new_state = DiLoCoState(
             count=t,

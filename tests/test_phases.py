@@ -189,6 +189,11 @@ def _entry_copies(hlo: str, min_elements: int) -> list[str]:
             (2,),
         ),
         (
+            "diloco inner step",
+            lambda: jc.diloco(optax.adam(LR), optax.sgd(0.7, momentum=0.9), 4, "dp"),
+            (0, 0),
+        ),
+        (
             "onebit_adam compressed step",
             lambda: jc.onebit_adam(LR, freeze_step=2, axis_name="dp"),
             (1,),
@@ -197,8 +202,9 @@ def _entry_copies(hlo: str, min_elements: int) -> list[str]:
 )
 def test_specialised_steps_copy_no_state(mesh, name, make, phases):
     # XLA:CPU copies a donated buffer that one fusion writes in place while another reads it
-    # unordered, or that passes through a reshape: these steps are written to avoid both (the
-    # 0/1 Adam local moments stay blocks, m is written before the step reads it).
+    # unordered, or that passes through a reshape: these steps are written to avoid both (0/1
+    # Adam's local moments and DiLoCo's inner state stay blocks, 0/1 Adam writes m before the
+    # step reads it, DiLoCo's inner update does not read p).
     rng = np.random.default_rng(0)
     params = {"w": rng.normal(size=(64, 48)).astype(np.float32), "b": np.zeros(48, np.float32)}
 

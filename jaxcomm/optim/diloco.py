@@ -284,7 +284,19 @@ def diloco(
                 f"jaxcomm: this DiLoCo state was built for {state.devices.shape[0]} devices but "
                 f"axis {axis_name!r} has {bound}: convert it with jc.resize_diloco_state"
             )
-        inner_updates, inner_state = inner.update(updates, state.local.inner, params)
+        if jnp.ndim(state.local.nonfinite) == 1:
+            # Inside jc.local_view the per-device leaves are (1, ...) blocks (DiLoCoLocal is
+            # registered with blocks=True): the inner optimizer runs under vmap over that axis,
+            # so it sees its usual shapes and XLA updates its donated state in place.
+            def block(tree):
+                return jax.tree.map(lambda x: jnp.reshape(x, (1, *jnp.shape(x))), tree)
+
+            inner_updates, inner_state = jax.vmap(inner.update)(
+                block(updates), state.local.inner, block(params)
+            )
+            inner_updates = jax.tree.map(lambda u: u[0], inner_updates)
+        else:
+            inner_updates, inner_state = inner.update(updates, state.local.inner, params)
         local = jax.tree.leaves(optax.apply_updates(params, inner_updates))
         # Per device: a step that makes the local copy non-finite is not taken (state kept).
         # A float sum (see all_finite: boolean reductions are slow on XLA:CPU).
@@ -381,7 +393,7 @@ def diloco(
                 phase(jnp.any(jnp.stack(talks))),
                 lambda x: lax.pmax(x, axis_name),
                 lambda x: jnp.zeros([], jnp.int32),
-                in_a_row,
+                in_a_row.reshape(()),
             )
             check_skips(jnp.maximum(worst, counts[1]), max_consecutive_skips, "diloco")
         return new_updates, new_state

@@ -22,9 +22,11 @@ from jaxcomm.state import per_device
 PyTree = Any
 
 
-@per_device  # its leaves are private to each device
+@per_device(blocks=True)  # private to each device; (1, ...) blocks inside jc.local_view
 class DiLoCoLocal(NamedTuple):
-    """DiLoCo's per-device leaves besides the parameters.
+    """DiLoCo's per-device leaves besides the parameters (inside ``jc.local_view`` every leaf
+    is a ``(1, *shape)`` block, which :func:`jaxcomm.diloco` updates in place, running the inner
+    optimizer under ``vmap``).
 
     Attributes:
       inner: the inner optimizer's state (its moments come from this device's gradients).

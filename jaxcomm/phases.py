@@ -6,8 +6,8 @@ DiLoCo's inner and synchronising steps. Traced once, such a schedule is a ``lax.
 ``lax.switch`` inside one program, and every step pays for it: XLA:CPU copies state that a
 branch hands through, and the moments are then selected elementwise by phase, so every step
 reads and writes buffers the phase it is in would not touch (measured in the README's "Train
-step at 1 Gbit/s": a 0/1 Adam local step 172 -> 95 ms, a 1-bit Adam compressed step 196 ->
-188 ms, on a 64 MiB MLP in two processes).
+step at 1 Gbit/s": a 0/1 Adam local step 159 -> 87 ms, a 1-bit Adam compressed step 209 ->
+199 ms, on a 64 MiB MLP in two processes).
 
 Tracing side (the optimizers): a schedule predicate goes through :func:`phase`, and the branch
 through :func:`phase_cond` / :func:`phase_switch`. Outside a phase-specialised step they are

@@ -86,7 +86,8 @@ def phase(value: jax.Array, cases: int = 2) -> jax.Array | bool | int:
     Returns ``value`` itself unless the step being traced is specialised (see the module
     docstring), where it returns the value as a Python ``bool`` / ``int``, so that
     :func:`phase_cond` / :func:`phase_switch` trace one branch and ``jnp.where`` on it folds.
-    ``value`` must depend on the state and hyperparameters only (not on the batch).
+    ``value`` should depend on the state and hyperparameters only (see the module docstring),
+    and must be the same on every device.
 
     Examples:
       >>> import jax.numpy as jnp, jaxcomm as jc
@@ -168,18 +169,18 @@ class PhasedStep:
         self._traced, self._donate = traced, donate_argnums
         self._probe = jax.jit(probe)
         self._programs: dict[tuple[int, ...], Callable] = {}
-        self._static: tuple[int, ...] | None = None  # () once a probe found no phase at all
+        self._without_phases = False  # set once a probe found no phase at all
         self.last_phases: tuple[int, ...] | None = None  #: the phases of the latest call
 
     def phases(self, *args) -> tuple[int, ...]:
         """The phase values of a step on ``args`` (runs the probe)."""
-        if self._static == ():
+        if self._without_phases:
             return ()
         out = self._probe(*args)
         # This process's rows (a multi-process array is not fetched whole).
         rows = np.concatenate([np.asarray(s.data) for s in out.addressable_shards])
         if rows.size == 0:
-            self._static = ()
+            self._without_phases = True
             return ()
         rows = rows.reshape(-1, rows.shape[-1])
         if (rows != rows[0]).any():

@@ -268,7 +268,11 @@ def _reference(op: str, data, n: int):
 
 
 def _build(op: str, comp, mesh, n: int, e: int, bucket_bytes: int | None):
-    """(jitted fn, local state or None) for ``op``; fn(x_global, state_global), state donated."""
+    """(jitted fn, local state or None) for ``op``; ``fn(x, state) -> (state, out)``, the state
+    donated. The state is returned first: JAX pairs each output with a donated input of its
+    shape in order, and a mean returned first took the worker residual's buffer, so that XLA
+    copied the residual for the non-finite guard's read of it (a 64 MiB copy in a OneBit op).
+    """
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -282,20 +286,22 @@ def _build(op: str, comp, mesh, n: int, e: int, bucket_bytes: int | None):
         state = jc.init_state(comp, local, axis_size=n, bucket_bytes=bucket_bytes)
 
         def body(x, s):
-            return jc.compressed_pmean(
+            out, s = jc.compressed_pmean(
                 x, s, axis_name="dp", compressor=comp, bucket_bytes=bucket_bytes
             )
+            return s, out
 
-        specs = ((dp, dp), (P(), dp))
+        specs = ((dp, dp), (dp, P()))
     elif op == "reduce_scatter":
         state = jc.init_state(
             comp, local, axis_size=n, bucket_bytes=bucket_bytes, op="reduce_scatter"
         )
 
         def body(x, s):
-            return jc.compressed_pmean_scatter(
+            out, s = jc.compressed_pmean_scatter(
                 x, s, axis_name="dp", compressor=comp, bucket_bytes=bucket_bytes
             )
+            return s, out
 
         specs = ((dp, dp), (dp, dp))
     elif op == "all_gather":
@@ -305,15 +311,15 @@ def _build(op: str, comp, mesh, n: int, e: int, bucket_bytes: int | None):
             out, _ = jc.compressed_all_gather(
                 x, None, axis_name="dp", compressor=comp, like=local, bucket_bytes=bucket_bytes
             )
-            return out, s
+            return s, out
 
-        specs = ((dp, dp), (P(), dp))
+        specs = ((dp, dp), (dp, P()))
     else:
         state = None
 
         def body(x, s):
             out = lax.all_to_all(x.reshape(n, -1), "dp", 0, 0, tiled=True)
-            return out.reshape(-1), s
+            return s, out.reshape(-1)
 
         specs = ((dp, dp), (dp, dp))
     fn = jax.jit(
@@ -368,7 +374,7 @@ def _measure_rows(config: BenchConfig, mesh, to_global, barrier) -> list[dict]:
                     fn.lower(x, s).compile().as_text(),
                     requested_collectives(jax.make_jaxpr(fn)(x, s)),
                 )
-                out, s = fn(x, s)
+                s, out = fn(x, s)
                 err = _rel_error(out, _reference(op, data, n))
                 times, s = _timed(fn, x, s, config, barrier)
                 compute = None
@@ -396,12 +402,12 @@ def _timed(fn, x, s, config: BenchConfig, barrier) -> tuple[list[float], object]
 
     for _ in range(config.warmup):
         barrier()
-        _, s = jax.block_until_ready(fn(x, s))
+        s, _ = jax.block_until_ready(fn(x, s))
     times = []
     for _ in range(config.repeats):
         barrier()
         t0 = time.perf_counter()
-        _, s = jax.block_until_ready(fn(x, s))
+        s, _ = jax.block_until_ready(fn(x, s))
         times.append(time.perf_counter() - t0)
     return times, s
 
@@ -426,7 +432,7 @@ def _compute_times(op: str, comp, n: int, e: int, data, config: BenchConfig) -> 
         s = jax.device_put(np.zeros((1,), np.float32), device)
     else:
         s = jax.tree.map(lambda a: jax.device_put(np.asarray(a), device), state)
-    _, s = fn(x, s)
+    s, _ = fn(x, s)
     times, _ = _timed(fn, x, s, config, lambda: None)
     return times
 

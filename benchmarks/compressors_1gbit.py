@@ -212,6 +212,16 @@ def _summarize(ranks: list[dict], args: argparse.Namespace, shaped: bool) -> dic
     names = [k for k in ranks[0]["times"] if k != "barrier"]
     medians = {name: slowest_median(name) for name in names}
     wire = ranks[0]["wire"]
+    guard = None
+    if "onebit" in names and "onebit_noguard" in names:
+        # Paired: the two run back to back in every round, so the ratio of each round cancels
+        # the load drifts that move a median of either by several percent on this machine.
+        ratios = [
+            max(r["times"]["onebit"][i] for r in ranks)
+            / max(r["times"]["onebit_noguard"][i] for r in ranks)
+            for i in range(args.repeats)
+        ]
+        guard = statistics.median(ratios) - 1
     return {
         "size_mb": args.size_mb,
         "numel": ranks[0]["numel"],
@@ -224,6 +234,7 @@ def _summarize(ranks: list[dict], args: argparse.Namespace, shaped: bool) -> dic
         "wire_bytes_per_device": wire,
         "wire_ratio": {k: wire["fp32"] / max(wire[k], 1) for k in names},
         "times_s": {r["rank"]: r["times"] for r in ranks},
+        "guard_cost": guard,
     }
 
 
@@ -242,6 +253,11 @@ def _table(s: dict) -> str:
         rows.append(
             f"{label:<50}{median:>11.4f}{w[name] / 2**20:>10.2f} MiB{s['wire_ratio'][name]:>7.2f}x"
             f"{s['speedup'][name]:>8.2f}x{tgt:>8}"
+        )
+    if s["guard_cost"] is not None:
+        rows.append(
+            f"non-finite guard: {s['guard_cost']:+.1%} of the OneBit op (median of the per-round "
+            "ratios jc.OneBit() / no guard, slower rank; target <= 5%)"
         )
     return "\n".join(rows)
 

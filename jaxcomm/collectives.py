@@ -154,10 +154,11 @@ def compressed_pmean(
 
     Integer and bool leaves give a floating mean, exactly as ``lax.pmean``.
 
-    Jitting it yourself with the state donated: return the new state before the mean. JAX pairs
-    each output with a donated input of the same shape in output order, so a mean returned first
-    can take an error buffer's place; XLA then copies that buffer to keep the old residual a
-    non-finite step needs (measured: a 64 MiB copy, +7-12% on a OneBit op).
+    Jitting it yourself with the state donated: put the state first, in the arguments (before
+    donated gradients) and in the outputs (before the mean). Donated buffers are paired with
+    outputs of their shape in order, so a mean returned first can take an error buffer's place;
+    XLA then copies that buffer to keep the old residual a non-finite step needs (measured: a
+    64 MiB copy, +7-12% on a OneBit op). ``jc.make_train_step`` does this for you.
 
     Examples:
       1-bit compression with error feedback: one state per device (``jc.init_state``), carried

@@ -137,3 +137,35 @@ def test_overflow_to_inf_is_treated_as_nonfinite(mesh):
     np.testing.assert_array_equal(np.asarray(s2.nonfinite), np.ones(N))
     for got, want in zip(host(s2.buckets), host(s1.buckets), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_the_guard_copies_no_error_buffer_when_the_state_is_donated_and_returned_first(mesh):
+    # The guard keeps the old worker residual on a non-finite step with a select in the pass
+    # that writes the new one: with the state donated (first in and out, as the docstring of
+    # compressed_pmean says), that pass writes over the old residual in place. A 64 MiB copy of
+    # it here cost the guard 7-12% of a OneBit op (benchmarks/compressors_1gbit.py).
+    numel = 8 * N * 64
+    comp = jc.OneBit()
+    state = jc.init_state(comp, jax.ShapeDtypeStruct((numel,), jnp.float32), axis_size=N)
+    gstate = jax.tree.map(lambda s: jnp.concatenate([s] * N), state)
+
+    def body(s, x):
+        mean, s = jc.compressed_pmean(x, s, axis_name="dp", compressor=comp)
+        return s, mean
+
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=(P("dp"), P())),
+        donate_argnums=(0, 1),
+    )
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(N * numel,)), jnp.float32)
+    hlo = fn.lower(gstate, x).compile().as_text()
+    entry = hlo[hlo.index("ENTRY") :]
+    copies = [line.strip() for line in entry.splitlines() if " copy(" in line and "f32[" in line]
+    assert not [c for c in copies if str(numel) in c], copies
+    # and the step still keeps the residual on a non-finite input (the select is there)
+    bad = x.at[3].set(jnp.nan)
+    new_state, mean = fn(jax.tree.map(jnp.copy, gstate), bad)
+    assert not np.isfinite(np.asarray(mean)).all()
+    np.testing.assert_array_equal(
+        np.asarray(new_state.buckets[0].worker_error), np.asarray(gstate.buckets[0].worker_error)
+    )

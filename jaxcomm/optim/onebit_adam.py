@@ -37,9 +37,11 @@ from jaxcomm.optim._common import (
     check_skips,
     compressed_mean_call,
     damped_denominator,
+    denominator_floor,
     ema,
     exact_mean,
     f32,
+    floored_denominator,
     keep_if,
     learning_rate_at,
     mean_finite,
@@ -162,14 +164,14 @@ def scale_by_onebit_adam(
             mean = exact_mean(g, axis_name, bucket_bytes)
             return mean, comm, all_finite(mean)
 
-        def compress(g, mu, comm, map_back=True):
+        def compress(g, mu, comm, map_back=True, denom=None):
             local = ema(mu, g, b1_)  # in the branch, so that it fuses into the 1-bit pass
-            denom = None
             if precondition:
                 # Compress the preconditioned momentum m / denom (what the step applies; its
                 # magnitudes are even across coordinates, so one 1-bit scale fits them), then
                 # map the mean back: v is frozen and identical on every device.
-                denom = denominator(state.nu, True)
+                if denom is None:
+                    denom = denominator(state.nu, True)
                 local = jax.tree.map(lambda m, d: m / d, local, denom)
             mean, new = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
             ok = mean_finite(mean, comm, new, axis_name)
@@ -189,8 +191,23 @@ def scale_by_onebit_adam(
             # Compressed steps only (static or phase-specialised): the step is the mean of the
             # preconditioned momenta itself, mask(mean) / c1 (= (m / c1) / denom with m =
             # mask(mean) * denom, up to rounding): no per-coordinate division in the update.
-            pre, comm, ok = compress(*args, map_back=False)
-            mean = jax.tree.map(lambda x, d: x * d, pre, denominator(state.nu, True))
+            # The denominator is evaluated twice from the same floors (one reduction of v per
+            # leaf), once for the compression and once, from v behind an optimization barrier
+            # (so that the two are not merged), for the map-back: XLA then computes the sqrt in
+            # each of its two passes instead of writing it out and reading it back (a pass
+            # over v that wrote a parameter-sized buffer; same values bit for bit).
+            nu_leaves, nu_def = jax.tree.flatten(state.nu)
+            lows = [denominator_floor(v, floor, scale=c2) for v in nu_leaves]  # None: no floor
+
+            def denominators(nu):
+                pairs = zip(jax.tree.leaves(nu), lows, strict=True)
+                return nu_def.unflatten(
+                    [floored_denominator(v, eps_, low, scale=c2) for v, low in pairs]
+                )
+
+            pre, comm, ok = compress(*args, map_back=False, denom=denominators(state.nu))
+            again = denominators(jax.lax.optimization_barrier(state.nu))
+            mean = jax.tree.map(lambda x, d: x * d, pre, again)
             step_of_mean = jax.tree.map(lambda x: x / c1, apply_mask(pre, momentum_mask))
         else:
             mean, comm, ok = phase_cond(frozen, compress, warm, *args)

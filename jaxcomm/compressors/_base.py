@@ -53,6 +53,12 @@ class Compressor(abc.ABC):
     #: state leaf on every step.
     takes_state_blocks: bool = False
 
+    #: True when a guarded bucket's fp32 output is NaN everywhere when the guard finds it not
+    #: finite, and finite everywhere otherwise (OneBit: ``scale * sign``, or NaN). One element
+    #: of each fp32 leaf of a mean then says whether all of it is finite: the 1-bit optimizers
+    #: read it so, with no pass over the mean and no collective (the mean is replicated).
+    output_decides_finite: bool = False
+
     def compute_dtype(self, dtype: np.dtype) -> np.dtype:
         """Dtype of the buffer a floating leaf of ``dtype`` is reduced in."""
         return np.dtype(np.float32)

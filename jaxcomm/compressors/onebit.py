@@ -163,6 +163,7 @@ class OneBit(Compressor):
 
     returns_mean = True
     takes_state_blocks = True
+    output_decides_finite = True  # the guarded decoding: NaN, or scale * sign (finite scales)
 
     def finite_probe(self, output, state) -> list[jax.Array]:
         # A non-finite input makes a scale (an L2 norm) non-finite, and every element of a chunk

@@ -174,7 +174,7 @@ def scale_by_onebit_adam(
                     denom = denominator(state.nu, True)
                 local = jax.tree.map(lambda m, d: m / d, local, denom)
             mean, new = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
-            ok = mean_finite(mean, comm, new, axis_name)
+            ok = mean_finite(mean, comm, new, axis_name, compressor=compressor)
             if denom is not None and map_back:
                 mean = jax.tree.map(lambda x, d: x * d, mean, denom)
             return mean, new, ok

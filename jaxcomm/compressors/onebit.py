@@ -119,16 +119,6 @@ def _plus_error(flat: jax.Array, error: jax.Array, sizes, axis_name) -> jax.Arra
     return buf
 
 
-def _nan_like_mean(numel: int):
-    """The false branch of the guarded decoding: a NaN mean of ``numel`` elements."""
-
-    def nan_mean(signs: jax.Array, scales: jax.Array) -> jax.Array:
-        del signs
-        return jnp.full((numel,), jnp.nan, scales.dtype)
-
-    return nan_mean
-
-
 def _padded_length(numel: int, axis_size: int) -> int:
     """DeepSpeed pads the flat buffer to a multiple of ``8 n``: whole bytes in every chunk."""
     return round_up(numel, 8 * axis_size)
@@ -252,7 +242,10 @@ class OneBit(Compressor):
             # parameter updates) decoded a packed byte per element, unvectorised (1-bit Adam's
             # step, MLP 4 x 2048^2: its moment passes 5.0 -> 3.3 ms each on one core). Not
             # finite (the devices agree, from the gathered scales): NaN, as the scales would be.
-            out = lax.cond(finite, decode, _nan_like_mean(numel), signs, scales)
+            def nan_mean(signs, scales):
+                return jnp.full((numel,), jnp.nan, scales.dtype)
+
+            out = lax.cond(finite, decode, nan_mean, signs, scales)
         else:
             out = decode(signs, scales)
         return out, OneBitState(worker_error, server_error), finite

@@ -43,7 +43,7 @@ parameters (64 MiB) by default, batch 16 per process; ``transformer``, a pre-LN 
 same size class (d 512, 4 layers, vocabulary 4096, 16.8M parameters in 69 leaves), batch 4 x 64
 tokens per process, every method run with ``--bucket-bytes`` (default 4 MiB for it).
 
-Timing: 2 warm-up steps per method (0/1 Adam: until its interval reached 16 and a cycle ended),
+Timing: 4 warm-up steps per method (0/1 Adam: until its interval reached 16 and a cycle ended),
 then ``--repeats`` rounds that time one step of every method in turn (0/1 Adam: one whole cycle)
 so a burst of load on the shared machine hits all methods alike; every step is preceded by a
 barrier (a tiny cross-process psum) so that both ranks start together; a step's time is the
@@ -71,7 +71,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-WARMUP = 2
+# Warm-up steps per method: past the freeze and the first compressed step (1-bit Adam's
+# phased step compiles a program for it, and another for the steps after it).
+WARMUP = 4
 FREEZE = 2  # warm-up steps of the 1-bit optimizers: the timed steps are all compressed
 ZO_CLIPPER = 16  # 0/1 Adam's sync interval in the timed cycles (DeepSpeed's default clipper)
 DILOCO_H = 16  # DiLoCo's sync_every in the timed cycles (the papers use 50-500: fewer syncs)

@@ -67,7 +67,8 @@ class OnebitAdamModel:
 
     jaxcomm's safe defaults (not DeepSpeed's): after the freeze, with ``variance_floor = f``, the
     denominator of each leaf (``leaf_sizes`` splits the flat vector) is ``max(sqrt(v), f *
-    sqrt(mean_leaf(v))) + eps``; ``mask`` (flat, 0/1) multiplies the 1-bit mean momentum.
+    sqrt(mean_leaf(v))) + eps``; ``mask`` (flat, 0/1) multiplies the 1-bit mean momentum;
+    ``precondition``: the 1-bit mean carries ``m_r / denom`` and is multiplied back by ``denom``.
     """
 
     def __init__(
@@ -86,8 +87,10 @@ class OnebitAdamModel:
         variance_floor: float | None = None,
         leaf_sizes: Sequence[int] | None = None,
         mask: np.ndarray | None = None,
+        precondition: bool = False,
     ):
         self.n = n
+        self.precondition = precondition
         self.p = np.asarray(params, np.float64).copy()
         self.floor, self.mask = variance_floor, mask
         self.leaf_sizes = list(leaf_sizes or [self.p.size])
@@ -110,19 +113,27 @@ class OnebitAdamModel:
             self.v = self.b2 * self.v + (1 - self.b2) * g * g
         else:
             local = self.b1 * self.m[None] + (1 - self.b1) * grads
-            self.m = self.onebit.mean(local)
+            if self.precondition:
+                denom = self.denominator()
+                self.m = self.onebit.mean(local / denom[None]) * denom
+            else:
+                self.m = self.onebit.mean(local)
             if self.mask is not None:
                 self.m = self.m * self.mask
-        m, v = self.m, self.v
+        m = self.m / (1 - self.b1**self.t) if self.bias_correction else self.m
+        update = m / self.denominator() + self.wd * self.p
+        self.p = self.p - lr * update
+        return self.p
+
+    def denominator(self) -> np.ndarray:
+        """``sqrt(v_hat) + eps``, floored after the freeze."""
+        v = self.v
         if self.bias_correction:
-            m = m / (1 - self.b1**self.t)
             v = v / (1 - self.b2 ** max(min(self.t, self.freeze_step), 1))
         root = np.sqrt(v)
         if self.floor and self.t > self.freeze_step:
             root = floored_root(v, self.leaf_sizes, self.floor)
-        update = m / (root + self.eps) + self.wd * self.p
-        self.p = self.p - lr * update
-        return self.p
+        return root + self.eps
 
 
 class ZeroOneAdamModel:

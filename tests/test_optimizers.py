@@ -108,6 +108,53 @@ def test_onebit_adam_matches_deepspeed_model(bucket_bytes, bias_correction):
     assert any(not np.allclose(e[0], e[1]) for e in errors)
 
 
+@pytest.mark.parametrize("bucket_bytes,phased", [(None, False), (1, True)])
+def test_onebit_adam_jaxcomm_rules_match_model(bucket_bytes, phased):
+    """jaxcomm's default rules (bias correction, variance floor, preconditioned 1-bit momentum)
+    with a momentum mask, weight decay and an lr schedule, against the NumPy model; after the
+    freeze the state is in the step's space (mu = m / d, nu = d), in the single program and in
+    the phase-specialised one."""
+    freeze, total = 3, 9
+    lr = optax.linear_schedule(0.02, 0.005, total)
+    mask = {"a": np.ones(SHAPES["a"], np.float32), "b": np.ones(SHAPES["b"], np.float32)}
+    mask["b"][:3] = 0
+    tx = jc.onebit_adam(
+        lr,
+        weight_decay=0.01,
+        freeze_step=freeze,
+        axis_name="dp",
+        bucket_bytes=bucket_bytes,
+        momentum_mask=mask,
+    )
+    mesh = jax.make_mesh((N,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    step, state = jc.make_train_step(
+        mesh, "dp", linear_loss, tx, init_params(), specialize_phases=phased
+    )
+    model = OnebitAdamModel(
+        N,
+        flat(init_params()),
+        lr=lr,
+        weight_decay=0.01,
+        freeze_step=freeze,
+        bias_correction=True,
+        bucket_sizes=SIZES if bucket_bytes == 1 else None,
+        variance_floor=0.1,
+        leaf_sizes=SIZES,
+        mask=flat(mask),
+        precondition=True,
+    )
+    for k, grads in enumerate(grad_steps(total)):
+        state, _ = step(state, grads)
+        expected = model.step(flat_per_device(grads))
+        np.testing.assert_allclose(flat(state.params), expected, rtol=1e-4, atol=1e-5, err_msg=k)
+    opt = state.opt_state
+    assert bool(opt.preconditioned)
+    np.testing.assert_allclose(flat(opt.nu), model.denominator(), rtol=1e-5)
+    np.testing.assert_allclose(flat(opt.mu) * flat(opt.nu), model.m, rtol=1e-4, atol=1e-7)
+    if phased:
+        assert set(step.compiled_phases) == {(0,), (1,), (2,)}
+
+
 def test_onebit_adam_compression_changes_the_result():
     """Sanity check of the model test: with an exact compressor the results differ."""
     steps = grad_steps(4)

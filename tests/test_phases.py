@@ -39,7 +39,7 @@ def batch_on(mesh, batch):
 SCHEDULES = {
     "onebit_adam": (
         lambda c: jc.onebit_adam(LR, freeze_step=4, axis_name="dp", compressor=c),
-        {(0,), (1,)},
+        {(0,), (1,), (2,)},  # warm-up, first compressed step (into the step's space), after
     ),
     "zero_one_adam": (
         lambda c: jc.zero_one_adam(
@@ -124,16 +124,17 @@ def test_onebit_programs_have_no_branch_and_the_probe_sends_nothing(mesh):
     assert _state_branches(single.lower(state, batch).compile().as_text(), n)
     step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params, specialize_phases=True)
     assert step.phases(state, batch) == (0,)
-    for _ in range(3):
+    for _ in range(4):
         state, _ = step(state, batch)
-    assert step.phases(state, batch) == (1,) == step.last_phases
+    assert step.phases(state, batch) == (2,) == step.last_phases
+    assert len(step.compiled_phases) == 3
     for values in step.compiled_phases:
         hlo = step.program(values).lower(state, batch).compile().as_text()
         assert _state_branches(hlo, n) == []
         kinds = {c.op for c in collectives_in_hlo(hlo)}
         # warm-up: the exact fp32 mean; compressed: OneBit's packed signs, no fp32 all-reduce
         # of the parameters' size.
-        assert ("all-to-all" in kinds) == (values == (1,))
+        assert ("all-to-all" in kinds) == (values[0] >= 1)
     probe = jax.jit(step._probe).lower(state, batch).compile().as_text()
     assert collectives_in_hlo(probe) == []
 
@@ -226,7 +227,7 @@ def _entry_copies(hlo: str, min_elements: int) -> list[str]:
         (
             "onebit_adam compressed step",
             lambda: jc.onebit_adam(LR, freeze_step=2, axis_name="dp"),
-            (1,),
+            (2,),
         ),
     ],
 )

@@ -182,34 +182,11 @@ def damped_denominator(
     which would otherwise become a ``m / eps`` step. ``floor=None`` (or 0): ``sqrt(v / scale) +
     eps``, DeepSpeed's rule.
     """
-    return floored_denominator(
-        v, eps, denominator_floor(v, floor, scale=scale, enabled=enabled), scale=scale
-    )
-
-
-def denominator_floor(
-    v: jax.Array,
-    floor: float | None,
-    *,
-    scale: jax.Array | float = 1.0,
-    enabled: jax.Array | bool = True,
-) -> jax.Array | None:
-    """The ``floor * rms`` of :func:`damped_denominator` (``None`` when there is no floor): one
-    reduction over ``v``, to share between several evaluations of the denominator."""
-    if floor is None or is_static_zero(floor) or v.size == 0:
-        return None
-    rms = jnp.sqrt(jnp.mean(v) / scale)
-    return jnp.where(enabled, jnp.asarray(floor, v.dtype) * rms, jnp.zeros_like(rms))
-
-
-def floored_denominator(
-    v: jax.Array, eps: jax.Array, low: jax.Array | None, *, scale: jax.Array | float = 1.0
-) -> jax.Array:
-    """``max(sqrt(v / scale), low) + eps`` (``low=None``: ``sqrt(v / scale) + eps``), elementwise
-    given the floor from :func:`denominator_floor`; bit for bit :func:`damped_denominator`."""
     root = jnp.sqrt(v / scale)
-    if low is None:
+    if floor is None or is_static_zero(floor) or v.size == 0:
         return root + eps
+    rms = jnp.sqrt(jnp.mean(v) / scale)
+    low = jnp.where(enabled, jnp.asarray(floor, v.dtype) * rms, jnp.zeros_like(rms))
     return jnp.maximum(root, low) + eps
 
 

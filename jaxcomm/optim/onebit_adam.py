@@ -20,6 +20,7 @@ the parameters, so bf16 parameters lose no precision in ``wd * p``).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -37,11 +38,9 @@ from jaxcomm.optim._common import (
     check_skips,
     compressed_mean_call,
     damped_denominator,
-    denominator_floor,
     ema,
     exact_mean,
     f32,
-    floored_denominator,
     keep_if,
     learning_rate_at,
     mean_finite,
@@ -65,6 +64,11 @@ class OneBitAdamState(NamedTuple):
       comm: error feedback of the 1-bit momentum all-reduce (per-device ``jc.ReduceState``).
       skipped: consecutive updates skipped because they were not finite (int32, replicated).
       skipped_total: all updates skipped so far (int32, replicated).
+      preconditioned: whether ``mu`` and ``nu`` are in the step's space (bool, replicated):
+        from the first compressed step on with ``precondition``, ``nu`` holds the frozen
+        denominator ``d = max(sqrt(v_hat), floor * rms) + eps`` and ``mu`` the preconditioned
+        momentum ``m / d`` (Adam's first moment is ``mu * nu``, its ``v_hat`` is ``(nu -
+        eps)**2`` where the floor did not bind).
     """
 
     count: jax.Array
@@ -73,6 +77,7 @@ class OneBitAdamState(NamedTuple):
     comm: ReduceState
     skipped: jax.Array
     skipped_total: jax.Array
+    preconditioned: jax.Array
 
 
 def scale_by_onebit_adam(
@@ -126,7 +131,8 @@ def scale_by_onebit_adam(
         comm = init_state(compressor, mu, axis_size=n, bucket_bytes=bucket_bytes)
         # Distinct arrays for the counters (one shared buffer cannot be donated three times).
         count, skipped, total = (jnp.zeros([], jnp.int32) for _ in range(3))
-        return OneBitAdamState(count, mu, zeros_f32(params), comm, skipped, total)
+        in_step_space = jnp.zeros([], jnp.bool_)
+        return OneBitAdamState(count, mu, zeros_f32(params), comm, skipped, total, in_step_space)
 
     def update_fn(updates, state, params=None):
         del params
@@ -154,6 +160,33 @@ def scale_by_onebit_adam(
                 lambda v: damped_denominator(v, eps_, floor, scale=c2, enabled=frozen), nu
             )
 
+        # With preconditioning, the first compressed step moves the moments into the step's
+        # space for good (state.preconditioned): mu = m / d, nu = d, the damped denominator of
+        # the frozen v. The 1-bit mean of the preconditioned momenta is then the new mu itself
+        # and the step is mu / c1: no pass maps the mean back, none recomputes d (its floor is
+        # a reduction of v per leaf; its sqrt and division cost more than the memory traffic).
+        # The schedule: 0 warm-up, 1 compressed from Adam's moments, 2 compressed in the step's
+        # space (without preconditioning: 0 and 1). It is a Python int when it is static or the
+        # step is phase-specialised (jaxcomm.phases): then only its branch is traced and the
+        # selects below fold.
+        compressed = 1 + state.preconditioned.astype(jnp.int32) if precondition else 1
+        cases = 3 if precondition else 2
+        if static_freeze is not None and static_freeze <= 0:
+            kind = 1 if not precondition else phase(compressed, cases)
+        else:
+            kind = phase(jnp.where(state.count >= freeze_step, compressed, 0), cases)
+        frozen = kind >= 1
+        in_step_space = kind == 2
+
+        def frozen_denominator(in_step_space):
+            """``d`` after the freeze: ``nu`` itself once in the step's space, else from ``v``."""
+            if in_step_space is True:
+                return state.nu
+            fresh = denominator(state.nu, True)
+            if in_step_space is False:
+                return fresh
+            return jax.tree.map(lambda d, f: jnp.where(in_step_space, d, f), state.nu, fresh)
+
         # Only the communication is in the lax.cond (the exact mean of the gradients during
         # the warm-up, the 1-bit mean of the momentum after it), and whether its mean is finite
         # (the compressed one from the collectives' guard, without another pass over the mean).
@@ -164,72 +197,57 @@ def scale_by_onebit_adam(
             mean = exact_mean(g, axis_name, bucket_bytes)
             return mean, comm, all_finite(mean)
 
-        def compress(g, mu, comm, map_back=True, denom=None):
-            local = ema(mu, g, b1_)  # in the branch, so that it fuses into the 1-bit pass
+        def compress(g, mu, comm, in_step_space=False):
             if precondition:
-                # Compress the preconditioned momentum m / denom (what the step applies; its
-                # magnitudes are even across coordinates, so one 1-bit scale fits them), then
-                # map the mean back: v is frozen and identical on every device.
-                if denom is None:
-                    denom = denominator(state.nu, True)
-                local = jax.tree.map(lambda m, d: m / d, local, denom)
+                # Compress the preconditioned momentum m / d (what the step applies; its
+                # magnitudes are even across coordinates, so one 1-bit scale fits them).
+                # In the step's space Adam's m is mu * d: the values are those of keeping m.
+                def local_step(m, x, d):
+                    return (b1_ * jnp.where(in_step_space, m * d, m) + (1 - b1_) * x) / d
+
+                local = jax.tree.map(local_step, mu, g, frozen_denominator(in_step_space))
+            else:
+                local = ema(mu, g, b1_)  # in the branch, so that it fuses into the 1-bit pass
             mean, new = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
-            ok = mean_finite(mean, comm, new, axis_name, compressor=compressor)
-            if denom is not None and map_back:
-                mean = jax.tree.map(lambda x, d: x * d, mean, denom)
-            return mean, new, ok
+            return mean, new, mean_finite(mean, comm, new, axis_name, compressor=compressor)
 
-        args = (grads, state.mu, state.comm)
-        # The phase is a Python bool when it is static or the step is phase-specialised
-        # (jaxcomm.phases): then only its branch is traced and the selects below fold.
-        if static_freeze is not None and static_freeze <= 0:
-            frozen = True
-        else:
-            frozen = phase(state.count >= freeze_step)
-        step_of_mean = None
-        if frozen is True and precondition:
-            # Compressed steps only (static or phase-specialised): the step is the mean of the
-            # preconditioned momenta itself, mask(mean) / c1 (= (m / c1) / denom with m =
-            # mask(mean) * denom, up to rounding): no per-coordinate division in the update.
-            # The denominator is evaluated twice from the same floors (one reduction of v per
-            # leaf), once for the compression and once, from v behind an optimization barrier
-            # (so that the two are not merged), for the map-back: XLA then computes the sqrt in
-            # each of its two passes instead of writing it out and reading it back (a pass
-            # over v that wrote a parameter-sized buffer; same values bit for bit).
-            nu_leaves, nu_def = jax.tree.flatten(state.nu)
-            lows = [denominator_floor(v, floor, scale=c2) for v in nu_leaves]  # None: no floor
-
-            def denominators(nu):
-                pairs = zip(jax.tree.leaves(nu), lows, strict=True)
-                return nu_def.unflatten(
-                    [floored_denominator(v, eps_, low, scale=c2) for v, low in pairs]
-                )
-
-            pre, comm, ok = compress(*args, map_back=False, denom=denominators(state.nu))
-            again = denominators(jax.lax.optimization_barrier(state.nu))
-            mean = jax.tree.map(lambda x, d: x * d, pre, again)
-            step_of_mean = jax.tree.map(lambda x: x / c1, apply_mask(pre, momentum_mask))
-        else:
-            mean, comm, ok = phase_cond(frozen, compress, warm, *args)
+        # One compressed branch, for both spaces (one collective chain in the program).
+        compress_here = partial(compress, in_step_space=in_step_space)
+        mean, comm, ok = phase_cond(frozen, compress_here, warm, grads, state.mu, state.comm)
         # warm-up: mean = the exact mean gradient g, m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2;
-        # after: mean = the 1-bit mean of the momentum, m = mask(mean), v frozen.
+        # after: mean = the 1-bit mean of the (preconditioned) momentum, m = mask(mean), v
+        # frozen (d in the step's space).
         mu = jax.tree.map(
             lambda masked, x, m: jnp.where(frozen, masked, b1_ * m + (1 - b1_) * x),
             apply_mask(mean, momentum_mask),
             mean,
             state.mu,
         )
+        nu_frozen = frozen_denominator(in_step_space) if precondition else state.nu
         nu = jax.tree.map(
-            lambda v, x: jnp.where(frozen, v, b2_ * v + (1 - b2_) * x**2), state.nu, mean
+            lambda f, v, x: jnp.where(frozen, f, b2_ * v + (1 - b2_) * x**2),
+            nu_frozen,
+            state.nu,
+            mean,
         )
         # A non-finite mean gradient or momentum (NaN/Inf on any device) skips the step: the
-        # moments stay, the collectives' guard kept the error feedback, nothing moves.
+        # moments stay, the collectives' guard kept the error feedback, nothing moves. (The
+        # step is taken of the kept moments: taken of the new ones, XLA copied mu and nu.)
         mu, nu = keep_if(ok, mu, state.mu), keep_if(ok, nu, state.nu)
+        if not precondition:
+            step = jax.tree.map(lambda m, den: (m / c1) / den, mu, denominator(nu, frozen))
+        elif frozen is True:
+            step = jax.tree.map(lambda m: m / c1, mu)
+        else:
+            # Divided by 1 after the freeze. Written as the warm-up's (m / c1) / denominator,
+            # with the same (traced) floor: other forms made the pmap and shard_map programs
+            # round the warm-up differently (tests/test_examples.py holds them bit for bit).
+            step = jax.tree.map(
+                lambda m, den: (m / c1) / jnp.where(frozen, one, den), mu, denominator(nu, frozen)
+            )
+        direction = jax.tree.map(lambda d: jnp.where(ok, d, jnp.zeros_like(d)), step)
         skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
         check_skips(skipped, max_consecutive_skips, "onebit_adam")
-        if step_of_mean is None:
-            step_of_mean = jax.tree.map(lambda m, den: (m / c1) / den, mu, denominator(nu, frozen))
-        direction = jax.tree.map(lambda d: jnp.where(ok, d, jnp.zeros_like(d)), step_of_mean)
         new_state = OneBitAdamState(
             jnp.where(ok, t, state.count),
             mu,
@@ -237,6 +255,7 @@ def scale_by_onebit_adam(
             comm,
             skipped,
             state.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32),
+            jnp.where(ok, jnp.asarray(frozen) & precondition, state.preconditioned),
         )
         return direction, new_state
 

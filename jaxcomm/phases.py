@@ -15,14 +15,14 @@ through :func:`phase_cond` / :func:`phase_switch`. Outside a phase-specialised s
 :func:`phase` returns a Python ``bool`` / ``int`` and only that branch is traced.
 
 Host side: ``jc.make_train_step(..., specialize_phases=True)`` returns a :class:`PhasedStep`.
-Each call first runs a small *probe* (the step traced with :func:`phase` recording its
-values, everything else dead code) on the input state, then the program compiled for those
-values (one compile per distinct combination seen: 2 for a warm-up/compressed schedule, up to
-4 for 0/1 Adam). A value passed to :func:`phase` should be a function of the state and
-hyperparameters only (the step count, intervals): the probe is then a few scalar ops (one
-that reads the batch is still exact, but the probe then runs the forward pass too). It must
-be the same on every device (checked on each process's devices). The probe runs no host
-callbacks of jaxcomm's (:func:`recording_phases`).
+Each call first runs a small *probe* (the step traced with :func:`phase` recording its values,
+everything else dead code) on the input state, then the program compiled for those values (one
+compile per distinct combination seen: 2 for a warm-up/compressed schedule, 3 for 1-bit Adam,
+whose first compressed step moves its moments, up to 4 for 0/1 Adam). A value passed to
+:func:`phase` should be a function of the state and hyperparameters only (the step count,
+intervals): the probe is then a few scalar ops (one that reads the batch is still exact, but
+the probe then runs the forward pass too). It must be the same on every device (checked on each
+process's devices). The probe runs no host callbacks of jaxcomm's (:func:`recording_phases`).
 """
 
 from __future__ import annotations

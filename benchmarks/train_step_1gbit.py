@@ -116,11 +116,13 @@ CYCLES = {
 }
 
 
-def make_tx(name: str, axis: str, bucket_bytes: int | None, lr: float = 1e-3):
-    """The optax transformation of method ``name``, as user code writes it."""
+def make_tx(name: str, axis: str, bucket_bytes: int | None, lr: float = 1e-3, *, jc=None):
+    """The optax transformation of method ``name``, as user code writes it (``jc``: the package
+    to take it from, default ``jaxcomm``; ``ab_train_step.py`` passes another version)."""
     import optax
 
-    import jaxcomm as jc
+    if jc is None:
+        import jaxcomm as jc
 
     adam = optax.adam(lr)
     bb = dict(bucket_bytes=bucket_bytes)

@@ -209,6 +209,19 @@ def _entry_copies(hlo: str, min_elements: int) -> list[str]:
     return big
 
 
+def test_onebit_adam_without_warm_up_compiles_no_schedule_branch(mesh):
+    """freeze_step=0 (static): the single program has no conditional taking the state (the
+    warm-up branch is not compiled in), before and after the moments move to the step's space."""
+    params, batch = regression()
+    batch = batch_on(mesh, batch)
+    tx = jc.onebit_adam(LR, freeze_step=0, axis_name="dp")
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+    for _ in range(2):
+        assert _state_branches(step.lower(state, batch).compile().as_text(), N) == []
+        state, _ = step(state, batch)
+    assert bool(state.opt_state.preconditioned)
+
+
 @pytest.mark.parametrize(
     "name, make, phases",
     [

@@ -169,14 +169,15 @@ def scale_by_onebit_adam(
         # space (without preconditioning: 0 and 1). It is a Python int when it is static or the
         # step is phase-specialised (jaxcomm.phases): then only its branch is traced and the
         # selects below fold.
-        compressed = 1 + state.preconditioned.astype(jnp.int32) if precondition else 1
-        cases = 3 if precondition else 2
-        if static_freeze is not None and static_freeze <= 0:
-            kind = 1 if not precondition else phase(compressed, cases)
+        if static_freeze is not None and static_freeze <= 0:  # no warm-up branch at all
+            frozen = True
+            in_step_space = phase(state.preconditioned) if precondition else False
         else:
+            compressed = 1 + state.preconditioned.astype(jnp.int32) if precondition else 1
+            cases = 3 if precondition else 2
             kind = phase(jnp.where(state.count >= freeze_step, compressed, 0), cases)
-        frozen = kind >= 1
-        in_step_space = kind == 2
+            frozen = kind >= 1
+            in_step_space = kind == 2
 
         def frozen_denominator(in_step_space):
             """``d`` after the freeze: ``nu`` itself once in the step's space, else from ``v``."""

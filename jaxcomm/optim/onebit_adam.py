@@ -306,11 +306,12 @@ def onebit_adam(
       0/1 per coordinate, multiplied into the mean momentum) is the manual alternative.
     * **preconditioned compression** (``precondition``, default on, off under
       ``deepspeed_compat``): after the freeze the 1-bit all-reduce carries ``m / denom`` (the
-      step itself) instead of ``m``, and the mean is multiplied back by ``denom`` (frozen,
-      identical on every device, so this is exact without compression); the error feedback
-      lives in that space. Adam's steps have even magnitudes across coordinates, momenta do
-      not: one 1-bit scale fits the first far better (measured: +9.9% -> -0.2% held-out loss
-      vs Adam).
+      step itself) instead of ``m`` (``denom`` is frozen and identical on every device, so
+      this is exact without compression); the error feedback lives in that space, and so do
+      the moments from the first compressed step on (``state.mu = m / denom``, ``state.nu =
+      denom``, ``state.preconditioned``): the mean is the new ``mu``, with no pass mapping it
+      back. Adam's steps have even magnitudes across coordinates, momenta do not: one 1-bit
+      scale fits the first far better (measured: +9.9% -> -0.2% held-out loss vs Adam).
     * **non-finite steps are skipped**: if the mean gradient or momentum is not finite (a NaN
       or Inf on any device), nothing changes (moments kept; the collectives' guard keeps the
       error feedback) and ``state.skipped`` / ``skipped_total`` count it; after more than

@@ -69,6 +69,22 @@ def run(tx, steps, params=None):
     return history, state
 
 
+ONEBIT_FREEZE, ONEBIT_STEPS = 3, 9
+
+
+def onebit_adam_and_model(bucket_bytes, tx_rules: dict, model_rules: dict):
+    """``jc.onebit_adam`` and its NumPy model with the same schedule: 3 warm-up steps of 9, an
+    lr schedule and weight decay; ``bucket_bytes=1`` puts each leaf in its own bucket."""
+    lr = optax.linear_schedule(0.02, 0.005, ONEBIT_STEPS)
+    common = dict(weight_decay=0.01, freeze_step=ONEBIT_FREEZE)
+    tx = jc.onebit_adam(lr, axis_name="dp", bucket_bytes=bucket_bytes, **common, **tx_rules)
+    buckets = SIZES if bucket_bytes == 1 else None
+    model = OnebitAdamModel(
+        N, flat(init_params()), lr=lr, bucket_sizes=buckets, **common, **model_rules
+    )
+    return tx, model
+
+
 @pytest.mark.parametrize("bucket_bytes,bias_correction", [(None, False), (1, False), (None, True)])
 def test_onebit_adam_matches_deepspeed_model(bucket_bytes, bias_correction):
     """Warm-up (exact) then compression (1-bit momentum), weight decay and an lr schedule.
@@ -76,28 +92,13 @@ def test_onebit_adam_matches_deepspeed_model(bucket_bytes, bias_correction):
     ``bucket_bytes=1`` puts each leaf in its own bucket: DeepSpeed's per-tensor compression.
     ``deepspeed_compat=True``: DeepSpeed's rules exactly (no variance floor).
     """
-    freeze, total = 3, 9
-    lr = optax.linear_schedule(0.02, 0.005, total)
-    tx = jc.onebit_adam(
-        lr,
-        weight_decay=0.01,
-        freeze_step=freeze,
-        axis_name="dp",
-        bucket_bytes=bucket_bytes,
-        bias_correction=bias_correction,
-        deepspeed_compat=True,
+    tx, model = onebit_adam_and_model(
+        bucket_bytes,
+        dict(bias_correction=bias_correction, deepspeed_compat=True),
+        dict(bias_correction=bias_correction),
     )
-    steps = grad_steps(total)
+    steps = grad_steps(ONEBIT_STEPS)
     history, state = run(tx, steps)
-    model = OnebitAdamModel(
-        N,
-        flat(init_params()),
-        lr=lr,
-        weight_decay=0.01,
-        freeze_step=freeze,
-        bias_correction=bias_correction,
-        bucket_sizes=SIZES if bucket_bytes == 1 else None,
-    )
     for k, (grads, got) in enumerate(zip(steps, history, strict=True)):
         expected = model.step(flat_per_device(grads))
         np.testing.assert_allclose(flat(got), expected, rtol=1e-4, atol=1e-5, err_msg=f"step {k}")
@@ -114,36 +115,17 @@ def test_onebit_adam_jaxcomm_rules_match_model(bucket_bytes, phased):
     with a momentum mask, weight decay and an lr schedule, against the NumPy model; after the
     freeze the state is in the step's space (mu = m / d, nu = d), in the single program and in
     the phase-specialised one."""
-    freeze, total = 3, 9
-    lr = optax.linear_schedule(0.02, 0.005, total)
     mask = {"a": np.ones(SHAPES["a"], np.float32), "b": np.ones(SHAPES["b"], np.float32)}
     mask["b"][:3] = 0
-    tx = jc.onebit_adam(
-        lr,
-        weight_decay=0.01,
-        freeze_step=freeze,
-        axis_name="dp",
-        bucket_bytes=bucket_bytes,
-        momentum_mask=mask,
+    rules = dict(bias_correction=True, variance_floor=0.1, leaf_sizes=SIZES, precondition=True)
+    tx, model = onebit_adam_and_model(
+        bucket_bytes, dict(momentum_mask=mask), dict(rules, mask=flat(mask))
     )
     mesh = jax.make_mesh((N,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
     step, state = jc.make_train_step(
         mesh, "dp", linear_loss, tx, init_params(), specialize_phases=phased
     )
-    model = OnebitAdamModel(
-        N,
-        flat(init_params()),
-        lr=lr,
-        weight_decay=0.01,
-        freeze_step=freeze,
-        bias_correction=True,
-        bucket_sizes=SIZES if bucket_bytes == 1 else None,
-        variance_floor=0.1,
-        leaf_sizes=SIZES,
-        mask=flat(mask),
-        precondition=True,
-    )
-    for k, grads in enumerate(grad_steps(total)):
+    for k, grads in enumerate(grad_steps(ONEBIT_STEPS)):
         state, _ = step(state, grads)
         expected = model.step(flat_per_device(grads))
         np.testing.assert_allclose(flat(state.params), expected, rtol=1e-4, atol=1e-5, err_msg=k)

@@ -65,9 +65,10 @@ def _scale_bytes(scale: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint8)
 
 
-def _scale_of_bytes(tail: jax.Array) -> jax.Array:
-    """The fp32 scales from their ``(..., 4)`` bytes (:func:`_scale_bytes`)."""
-    return lax.bitcast_convert_type(tail, jnp.float32)
+def _signs_and_scales(received: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows of packed signs, each followed by its scale's 4 bytes (:func:`_scale_bytes`): the
+    ``(n, M)`` signs and the ``n`` fp32 scales."""
+    return received[:, :-4], lax.bitcast_convert_type(received[:, -4:], jnp.float32)
 
 
 def _sign(values: jax.Array) -> jax.Array:
@@ -193,7 +194,7 @@ class OneBit(Compressor):
         tail = jnp.broadcast_to(_scale_bytes(scale), (axis_size, 4))
         payload = ensure_varying(jnp.concatenate([packed, tail], axis=1), axis_name)
         received = lax.all_to_all(payload, axis_name, 0, 0, tiled=True)
-        signs, scales = received[:, :-4], _scale_of_bytes(received[:, -4:])
+        signs, scales = _signs_and_scales(received)
         new_error = buf - scale * _sign(buf)
         finite = None
         if guard:
@@ -223,7 +224,7 @@ class OneBit(Compressor):
         gathered = all_gather_replicated(
             jnp.concatenate([_pack_rows(c), _scale_bytes(scale)]), axis_name
         )
-        signs, scales = gathered[:, :-4], _scale_of_bytes(gathered[:, -4:])
+        signs, scales = _signs_and_scales(gathered)
         server_error = c - scale * _sign(c)
         if guard:
             # Not finite: c is e_s, kept. Finite inputs whose server sum overflowed (|c| >

@@ -75,7 +75,6 @@ def _worker(args: argparse.Namespace) -> None:
 
     import jax
     import numpy as np
-    import optax
     import train_step_1gbit as T
     from jax import lax
     from jax.sharding import NamedSharding
@@ -96,20 +95,9 @@ def _worker(args: argparse.Namespace) -> None:
         jax.shard_map(lambda t: lax.psum(t, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
     )
 
-    adam = optax.adam(1e-3)
-
-    def local_step(state, batch):
-        p, opt = state
-        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
-        updates, opt = adam.update(grads, opt, p)
-        return (optax.apply_updates(p, updates), opt), loss
-
-    device = jax.local_devices()[0]
-    lparams = jax.device_put(params, device)
-    lbatch = jax.device_put(local_batch, device)
-    local_fn = jax.jit(local_step, donate_argnums=(0,))
-    holders = {"local": {"state": (lparams, jax.jit(adam.init)(lparams))}}
-    runners = {"local": (local_fn, lbatch)}
+    local_fn, local_state, local_on_device = T.local_adam_step(loss_fn, params, local_batch)
+    holders = {"local": {"state": local_state}}
+    runners = {"local": (local_fn, local_on_device)}
     for method in args.methods.split(","):
         name = method.removesuffix("_phased")
         for label, lib in (("base", base), ("new", jc)):

@@ -294,6 +294,30 @@ def make_transformer(args, rank: int):
 # --------------------------------------------------------------------------------------------
 
 
+def local_adam_step(loss_fn, params, local_batch):
+    """The floor of every method: ``optax.adam`` on this process's device, nothing sent.
+
+    Returns the compiled step (state donated), its state ``(params, adam state)`` and the
+    batch, both on the device.
+    """
+    import jax
+    import optax
+
+    adam = optax.adam(1e-3)
+
+    def local_step(state, batch):
+        p, opt = state
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        updates, opt = adam.update(grads, opt, p)
+        return (optax.apply_updates(p, updates), opt), loss
+
+    device = jax.local_devices()[0]
+    lparams = jax.device_put(params, device)
+    state = (lparams, jax.jit(adam.init)(lparams))
+    batch = jax.device_put(local_batch, device)
+    return jax.jit(local_step, donate_argnums=(0,)).lower(state, batch).compile(), state, batch
+
+
 def _host_int(x) -> int:
     """A replicated scalar of the global state, read on this process."""
     import numpy as np
@@ -306,7 +330,6 @@ def _worker(args: argparse.Namespace) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -342,19 +365,7 @@ def _worker(args: argparse.Namespace) -> None:
     for name in names:
         t0 = time.perf_counter()
         if name in ("local", "local_sync"):
-            dev = jax.local_devices()[0]
-            adam = optax.adam(1e-3)
-
-            def local_step(state, batch, adam=adam):
-                p, opt = state
-                loss, grads = jax.value_and_grad(loss_fn)(p, batch)
-                updates, opt = adam.update(grads, opt, p)
-                return (optax.apply_updates(p, updates), opt), loss
-
-            lparams = jax.device_put(params, dev)
-            lstate = (lparams, jax.jit(adam.init)(lparams))
-            lbatch = jax.device_put(local_batch, dev)
-            fn = jax.jit(local_step, donate_argnums=(0,)).lower(lstate, lbatch).compile()
+            fn, lstate, lbatch = local_adam_step(loss_fn, params, local_batch)
             wire[name] = wire_bytes(fn.as_text())
             holder = {"state": lstate}
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxcomm import layout
 from jaxcomm._compat import bound_axis_size, ensure_varying
-from jaxcomm.compressors import Compressor, NoCompression
+from jaxcomm.compressors import Compressor, NoCompression, mean_or_fallback
 from jaxcomm.state import ReduceState as ReduceState
 from jaxcomm.state import ScatterState as ScatterState
 from jaxcomm.state import StateOp as StateOp
@@ -46,10 +46,32 @@ def _as_requested(out: jax.Array, compressor: Compressor, mean: bool, axis_size:
     return out / axis_size if mean else out * axis_size
 
 
-def _reduce(tree, state, axis_name, compressor, bucket_bytes, *, mean: bool, op: StateOp):
-    """All-reduce (concatenated layout) or reduce-scatter (rank-major rows) of every bucket."""
+def _fallback_leaves(fallback: PyTree, leaves: list, treedef) -> list:
+    """``fallback``'s leaves, checked against the tree's (structure and shapes)."""
+    fallback_leaves, fallback_def = jax.tree_util.tree_flatten(fallback)
+    if fallback_def != treedef:
+        raise ValueError(
+            f"jaxcomm: fallback must have the tree's structure {treedef}, got {fallback_def}"
+        )
+    for i, (f, x) in enumerate(zip(fallback_leaves, leaves, strict=True)):
+        if np.shape(f) != np.shape(x):
+            raise ValueError(
+                f"jaxcomm: fallback leaf {i} has shape {np.shape(f)}, the tree's {np.shape(x)}"
+            )
+    return fallback_leaves
+
+
+def _reduce(
+    tree, state, axis_name, compressor, bucket_bytes, *, mean: bool, op: StateOp, fallback=None
+):
+    """All-reduce (concatenated layout) or reduce-scatter (rank-major rows) of every bucket.
+
+    Returns the reduced tree, the new state and, with a ``fallback`` tree (all-reduce means
+    only), the floating buckets' flags (whether each mean was finite, else it is fallback's).
+    """
     axis_size = bound_axis_size(axis_name)
     leaves, treedef, buckets = plan_tree(tree, compressor, bucket_bytes)
+    fallback_leaves = None if fallback is None else _fallback_leaves(fallback, leaves, treedef)
     scatter = op == "reduce_scatter"
     local, restore = as_local_block(state, compressor, buckets, axis_size, op)
     checked = check_state(local, compressor, buckets, axis_name, axis_size, op, bucket_bytes)
@@ -58,7 +80,7 @@ def _reduce(tree, state, axis_name, compressor, bucket_bytes, *, mean: bool, op:
     # cost a fresh buffer and a copy per state leaf on XLA:CPU).
     blocks = local is not state and not scatter and compressor.takes_state_blocks
     bucket_states = state.buckets if blocks else checked.buckets
-    finites = []
+    finites, mean_finites = [], []
 
     def one_bucket(bucket, bucket_state):
         comp = _EXACT if bucket.exact else compressor
@@ -68,13 +90,30 @@ def _reduce(tree, state, axis_name, compressor, bucket_bytes, *, mean: bool, op:
             buf = layout.flatten_bucket(leaves, bucket)
         if bucket.exact:
             buf = buf.astype(_exact_dtype(buf.dtype))
+        guarded = not (bucket.exact or state is None or not jax.tree_util.tree_leaves(bucket_state))
         if bucket.numel == 0:
             # Nothing to send. All-reduce: a fresh constant, typed replicated like a psum result;
             # reduce-scatter: this device's (empty) row.
             out = buf[0] if scatter else jnp.zeros((0,), buf.dtype)
             out = _as_requested(out, comp, mean, axis_size)
+        elif fallback_leaves is not None and not bucket.exact:
+            kept = [fallback_leaves[i].astype(buf.dtype) for i in bucket.leaf_ids]
+            if guarded:
+                parts, bucket_state, finite = comp.guarded_all_reduce_leaves(
+                    buf, bucket_state, bucket, kept, axis_name=axis_name, axis_size=axis_size
+                )
+                finites.append(finite)
+            else:
+                out, bucket_state = comp.all_reduce_bucket(
+                    buf, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size
+                )
+                parts, finite = mean_or_fallback(
+                    _as_requested(out, comp, True, axis_size), bucket, kept
+                )
+            mean_finites.append(finite)
+            return [p.astype(d) for p, d in zip(parts, bucket.dtypes, strict=True)], bucket_state
         else:
-            if bucket.exact or state is None or not jax.tree_util.tree_leaves(bucket_state):
+            if not guarded:
                 run = comp.reduce_scatter_bucket if scatter else comp.all_reduce_bucket
                 out, bucket_state = run(
                     buf, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size
@@ -97,10 +136,12 @@ def _reduce(tree, state, axis_name, compressor, bucket_bytes, *, mean: bool, op:
         return layout.unflatten_bucket(out, bucket, dtypes), bucket_state
 
     out, new_states = layout.map_buckets(one_bucket, buckets, len(leaves), bucket_states)
-    kept = keep_finite(state, new_states, finites) if blocks else restore(
-        keep_finite(local, new_states, finites)
+    kept = (
+        keep_finite(state, new_states, finites)
+        if blocks
+        else restore(keep_finite(local, new_states, finites))
     )
-    return jax.tree_util.tree_unflatten(treedef, out), kept
+    return jax.tree_util.tree_unflatten(treedef, out), kept, mean_finites
 
 
 def compressed_psum(
@@ -139,7 +180,10 @@ def compressed_psum(
       >>> total["w"][0].tolist(), int(total["count"][0])
       ([12.0, 16.0], 4)
     """
-    return _reduce(tree, state, axis_name, compressor, bucket_bytes, mean=False, op="all_reduce")
+    out, new, _ = _reduce(
+        tree, state, axis_name, compressor, bucket_bytes, mean=False, op="all_reduce"
+    )
+    return out, new
 
 
 def compressed_pmean(
@@ -177,7 +221,72 @@ def compressed_pmean(
       >>> states.buckets[0].worker_error.shape  # (devices, padded bucket)
       (4, 32)
     """
-    return _reduce(tree, state, axis_name, compressor, bucket_bytes, mean=True, op="all_reduce")
+    out, new, _ = _reduce(
+        tree, state, axis_name, compressor, bucket_bytes, mean=True, op="all_reduce"
+    )
+    return out, new
+
+
+def compressed_pmean_or_fallback(
+    tree: PyTree,
+    state: ReduceState | None,
+    fallback: PyTree,
+    *,
+    axis_name: str,
+    compressor: Compressor,
+    bucket_bytes: int | None = None,
+) -> tuple[PyTree, ReduceState | None, jax.Array]:
+    """:func:`compressed_pmean`, with ``fallback``'s leaves for a bucket whose mean is not finite.
+
+    For a caller that keeps a value on a non-finite step and whose mean *is* the new value (1-bit
+    Adam in the step's space: the mean of the local momenta is the new momentum, and a skipped
+    step keeps the old one). Selecting afterwards, ``where(finite, mean, old)``, reads the mean
+    and the old value and writes the new one: a pass as large as the tree. Here the choice is
+    made where the mean is produced: OneBit decodes it straight into the leaves inside its
+    guard's conditional, whose other branch passes ``fallback`` through (no pass, no copy);
+    other compressors select leaf by leaf.
+
+    Buckets decide separately (their chains stay independent): with several buckets, one whose
+    mean is finite returns it while another returns ``fallback``'s leaves. ``finite`` says
+    whether every bucket's mean was finite; a caller that keeps the whole tree on a non-finite
+    step selects on it (or uses one bucket, ``bucket_bytes=None``). The state is guarded as by
+    :func:`compressed_pmean`. Integer and bool leaves are reduced exactly, never replaced.
+
+    Args:
+      tree, state, axis_name, compressor, bucket_bytes: as :func:`compressed_pmean`.
+      fallback: a tree with ``tree``'s structure and leaf shapes (e.g. the previous momentum),
+        cast to each leaf's dtype.
+
+    Returns:
+      ``(mean or fallback, new state, finite)``; ``finite`` is a bool scalar, replicated as the
+      mean is.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxcomm as jc
+      >>> old = {"m": jnp.full((4, 2), 7.0)}  # 4 devices (vmap stands in for shard_map)
+      >>> g = {"m": jnp.arange(8.0).reshape(4, 2).at[1, 0].set(jnp.nan)}
+      >>> def step(x, keep):
+      ...     return jc.compressed_pmean_or_fallback(
+      ...         x, None, keep, axis_name="i", compressor=jc.NoCompression()
+      ...     )
+      >>> mean, _, finite = jax.vmap(step, axis_name="i")(g, old)
+      >>> mean["m"][0].tolist(), bool(finite[0])
+      ([7.0, 7.0], False)
+    """
+    out, new, flags = _reduce(
+        tree,
+        state,
+        axis_name,
+        compressor,
+        bucket_bytes,
+        mean=True,
+        op="all_reduce",
+        fallback=fallback,
+    )
+    finite = jnp.bool_(True)
+    for flag in flags:
+        finite = finite & flag
+    return out, new, finite
 
 
 def compressed_psum_scatter(
@@ -210,7 +319,8 @@ def compressed_psum_scatter(
       [[4.0, 4.0], [4.0, 4.0], [4.0, 4.0], [0.0, 0.0]]
     """
     op = "reduce_scatter"
-    return _reduce(tree, state, axis_name, compressor, bucket_bytes, mean=False, op=op)
+    out, new, _ = _reduce(tree, state, axis_name, compressor, bucket_bytes, mean=False, op=op)
+    return out, new
 
 
 def compressed_pmean_scatter(
@@ -235,7 +345,8 @@ def compressed_pmean_scatter(
       ((4, 2), True)
     """
     op = "reduce_scatter"
-    return _reduce(tree, state, axis_name, compressor, bucket_bytes, mean=True, op=op)
+    out, new, _ = _reduce(tree, state, axis_name, compressor, bucket_bytes, mean=True, op=op)
+    return out, new
 
 
 def compressed_all_gather(

@@ -169,3 +169,98 @@ def test_the_guard_copies_no_error_buffer_when_the_state_is_donated_and_returned
     np.testing.assert_array_equal(
         np.asarray(new_state.buckets[0].worker_error), np.asarray(gstate.buckets[0].worker_error)
     )
+
+
+# -- compressed_pmean_or_fallback: the mean, or the fallback's leaves where it is not finite --
+
+# Aligned leaves (offsets and sizes multiples of 8: OneBit decodes them in rows of 8) and
+# unaligned ones (cut from the flat mean).
+FALLBACK_SHAPES = {
+    "aligned": {"w": (8, 4), "v": (16,)},
+    "unaligned": {"w": (6, 7), "b": (5,), "c": (3, 3)},
+}
+
+
+def make_fallback_steps(mesh, comp, shapes, bucket_bytes=None):
+    """The same jitted shard_map of ``compressed_pmean`` and of ``compressed_pmean_or_fallback``
+    (fallback: a replicated tree)."""
+    local = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+    state = jc.init_state(comp, local, axis_size=N, bucket_bytes=bucket_bytes)
+    gstate = jax.tree.map(lambda s: jnp.concatenate([s] * N), state)
+    kw = dict(axis_name="dp", compressor=comp, bucket_bytes=bucket_bytes)
+
+    def plain(t, s):
+        return jc.compressed_pmean(jax.tree.map(lambda x: x[0], t), s, **kw)
+
+    def with_fallback(t, s, keep):
+        return jc.compressed_pmean_or_fallback(jax.tree.map(lambda x: x[0], t), s, keep, **kw)
+
+    specs = (P("dp"), P("dp"))
+    plain = jax.jit(jax.shard_map(plain, mesh=mesh, in_specs=specs, out_specs=(P(), P("dp"))))
+    with_fallback = jax.jit(
+        jax.shard_map(
+            with_fallback, mesh=mesh, in_specs=(*specs, P()), out_specs=(P(), P("dp"), P())
+        )
+    )
+    return plain, with_fallback, gstate
+
+
+def tree_data(shapes, seed, bad=None):
+    rng = np.random.default_rng(seed)
+    tree = {k: rng.normal(size=(N, *s)).astype(np.float32) for k, s in shapes.items()}
+    if bad is not None:
+        leaf, device, value = bad
+        tree[leaf][device].reshape(-1)[-1] = value
+    return tree
+
+
+@pytest.mark.parametrize("layout", sorted(FALLBACK_SHAPES))
+@pytest.mark.parametrize("comp", [*COMPRESSORS, pytest.param(jc.NoCompression(), id="exact")])
+def test_pmean_or_fallback_is_the_mean_or_the_fallback(mesh, comp, layout):
+    shapes = FALLBACK_SHAPES[layout]
+    plain, with_fallback, s0 = make_fallback_steps(mesh, comp, shapes)
+    keep = {k: np.full(s, 7.0, np.float32) for k, s in shapes.items()}
+    _, s1 = plain(tree_data(shapes, 1), s0)
+    # Finite: the mean and the state of compressed_pmean, bit for bit.
+    want, want_state = plain(tree_data(shapes, 2), s1)
+    got, got_state, finite_ = with_fallback(tree_data(shapes, 2), s1, keep)
+    assert bool(finite_)
+    for a, b in zip(host((got, got_state)), host((want, want_state)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Not finite on one device: every leaf is the fallback's, the state is the guard's.
+    bad = tree_data(shapes, 2, bad=(sorted(shapes)[-1], 3, np.nan))
+    got, got_state, finite_ = with_fallback(bad, s1, keep)
+    _, want_state = plain(bad, s1)
+    assert not bool(finite_)
+    for k in shapes:
+        np.testing.assert_array_equal(np.asarray(got[k]), keep[k], err_msg=k)
+    for a, b in zip(host(got_state), host(want_state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_pmean_or_fallback_decides_each_bucket_alone(mesh):
+    # One bucket per leaf: a NaN in "v" replaces "v" only, and finite says the call was not.
+    shapes = FALLBACK_SHAPES["aligned"]
+    plain, with_fallback, s0 = make_fallback_steps(mesh, jc.OneBit(), shapes, bucket_bytes=1)
+    keep = {k: np.full(s, 7.0, np.float32) for k, s in shapes.items()}
+    bad = tree_data(shapes, 3, bad=("v", 5, np.inf))
+    want, _ = plain(bad, s0)
+    got, _, finite_ = with_fallback(bad, s0, keep)
+    assert not bool(finite_)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
+    assert np.isfinite(np.asarray(want["w"])).all()
+    np.testing.assert_array_equal(np.asarray(got["v"]), keep["v"])
+
+
+def test_pmean_or_fallback_refuses_a_fallback_unlike_the_tree():
+    tree = {"w": jnp.ones((4, 3))}
+    call = lambda keep: jax.vmap(  # noqa: E731
+        lambda x: jc.compressed_pmean_or_fallback(
+            x, None, keep, axis_name="i", compressor=jc.NoCompression()
+        ),
+        axis_name="i",
+    )(tree)
+    with pytest.raises(ValueError, match="structure"):
+        call({"v": jnp.ones(3)})
+    with pytest.raises(ValueError, match="shape"):
+        call({"w": jnp.ones(4)})

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
-from jaxcomm.layout import Bucket
+from jaxcomm.layout import Bucket, split_concatenated
 
 
 class Compressor(abc.ABC):
@@ -138,6 +138,33 @@ class Compressor(abc.ABC):
         finite = probes_finite(self.finite_probe(out, new))
         return out, keep_if(finite, new, state), finite
 
+    def guarded_all_reduce_leaves(
+        self,
+        flat: jax.Array,
+        state: Any,
+        bucket: Bucket,
+        fallback: list[jax.Array],
+        *,
+        axis_name,
+        axis_size,
+    ) -> tuple[list[jax.Array], Any, jax.Array]:
+        """The bucket's *mean* as its leaves, or ``fallback`` (the leaves' shapes, in the
+        compute dtype) when the mean is not finite; the state as
+        :meth:`guarded_all_reduce_bucket` keeps it, and whether the mean is finite (a bool
+        scalar, replicated as the mean is).
+
+        The default selects leaf by leaf after :meth:`guarded_all_reduce_bucket` (a pass over
+        the mean); a compressor that decodes its output may write it into the leaves directly
+        and return ``fallback`` from the same conditional (OneBit).
+        """
+        out, new, _ = self.guarded_all_reduce_bucket(
+            flat, state, bucket, axis_name=axis_name, axis_size=axis_size
+        )
+        leaves, finite = mean_or_fallback(
+            out if self.returns_mean else out / axis_size, bucket, fallback
+        )
+        return leaves, new, finite
+
     def guarded_reduce_scatter_bucket(
         self, rows: jax.Array, state: Any, bucket: Bucket, *, axis_name, axis_size
     ) -> tuple[jax.Array, Any, jax.Array]:
@@ -156,6 +183,22 @@ def probes_finite(probes) -> jax.Array:
     for x in probes:
         finite = finite & jnp.all(jnp.isfinite(x))
     return finite
+
+
+def mean_or_fallback(
+    mean: jax.Array, bucket: Bucket, fallback: list[jax.Array]
+) -> tuple[list[jax.Array], jax.Array]:
+    """A bucket's flat ``mean`` as its leaves, or ``fallback``'s when it is not finite; and the
+    flag (a bool scalar).
+
+    Decided as ``isfinite(sum(mean))``: a NaN or Inf makes the sum so, and a float sum is the
+    cheapest reduction XLA:CPU has (a boolean ``all`` materialises a mask). Finite values whose
+    sum passes the fp32 range (a step that would blow up anyway) fall back too.
+    """
+    finite = jnp.isfinite(jnp.sum(mean))
+    pieces = split_concatenated(mean, bucket)
+    leaves = [p.reshape(shape) for p, shape in zip(pieces, bucket.shapes, strict=True)]
+    return [jnp.where(finite, x, f) for x, f in zip(leaves, fallback, strict=True)], finite
 
 
 def keep_if(finite: jax.Array, new: Any, old: Any) -> Any:

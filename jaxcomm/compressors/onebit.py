@@ -205,7 +205,13 @@ class OneBit(Compressor):
         return _weighted_sign_sum(signs, scales / axis_size), new_error, finite
 
     def _all_reduce(self, flat, state: OneBitState, sizes, axis_name, axis_size, guard):
-        numel = flat.shape[0]
+        """Stages 1-4 up to the gathered server signs: ``(signs, scales, state, finite)``.
+
+        ``signs`` ``(n, M)`` and ``scales`` ``(n,)`` are every device's server chunk (the mean is
+        ``concat_r scales[r] * unpack(signs[r])``, see :meth:`_decode`). With ``guard``, ``finite``
+        says whether all of it is finite, replicated (decided from the gathered scales), and the
+        state is the old one where not.
+        """
         buf = _plus_error(flat, state.worker_error, sizes, axis_name)
         compensated, worker_error, finite = self._exchange(
             buf, state.worker_error, axis_name, axis_size, guard
@@ -231,38 +237,79 @@ class OneBit(Compressor):
             # 3.4e38) leave no finite e_s to keep: it restarts from zero, no Inf is stored.
             server_ok = jnp.all(jnp.isfinite(scales))
             server_error = jnp.where(server_ok, server_error, jnp.where(finite, 0.0, c))
-            finite = finite & server_ok
+            # A worker scale that was not finite made every server scale NaN, so the gathered
+            # scales decide for both stages, replicated (every device gathered the same).
+            finite = server_ok
         server_error = server_error.reshape(state.server_error.shape)
+        return signs, scales, OneBitState(worker_error, server_error), finite
 
-        def decode(signs, scales):
-            return scaled_signs(signs, scales[:, None]).reshape(-1)[:numel]
+    @staticmethod
+    def _decode(signs: jax.Array, scales: jax.Array, numel: int) -> jax.Array:
+        """The mean of :meth:`_all_reduce`'s gathered chunks, cut to the bucket's ``numel``."""
+        return scaled_signs(signs, scales[:, None]).reshape(-1)[:numel]
 
-        if guard:
-            # Decoded into a buffer of its own by a conditional, which XLA cannot fuse into the
-            # consumers: fused, each consumer in a leaf's shape (an optimizer's moment and
-            # parameter updates) decoded a packed byte per element, unvectorised (1-bit Adam's
-            # step, MLP 4 x 2048^2: its moment passes 5.0 -> 3.3 ms each on one core). Not
-            # finite (the devices agree, from the gathered scales): NaN, as the scales would be.
-            def nan_mean(signs, scales):
-                return jnp.full((numel,), jnp.nan, scales.dtype)
+    @staticmethod
+    def _decode_leaves(signs: jax.Array, scales: jax.Array, shapes) -> list[jax.Array]:
+        """:meth:`_decode` straight into the leaves of ``shapes`` (the concatenated layout).
 
-            out = lax.cond(finite, decode, nan_mean, signs, scales)
-        else:
-            out = decode(signs, scales)
-        return out, OneBitState(worker_error, server_error), finite
+        A leaf whose offset and size are multiples of 8 is its rows of 8 (one packed byte each,
+        see :func:`scaled_sign_rows`) reshaped: XLA computes it in that shape, vectorised. Any
+        other leaf is cut from the flat mean.
+        """
+        rows = scaled_sign_rows(signs, scales[:, None]).reshape(-1, 8)
+        leaves, offset = [], 0
+        for shape in shapes:
+            size = math.prod(shape)
+            if offset % 8 == 0 and size % 8 == 0:
+                piece = lax.slice_in_dim(rows, offset // 8, (offset + size) // 8)
+            else:
+                piece = lax.slice(rows.reshape(-1), (offset,), (offset + size,))
+            leaves.append(piece.reshape(shape))
+            offset += size
+        return leaves
 
     def all_reduce(self, flat, state: OneBitState, *, axis_name, axis_size):
-        out, state, _ = self._all_reduce(
-            flat, state, (flat.shape[0],), axis_name, axis_size, guard=False
-        )
-        return out, state
+        sizes = (flat.shape[0],)
+        signs, scales, state, _ = self._all_reduce(flat, state, sizes, axis_name, axis_size, False)
+        return self._decode(signs, scales, flat.shape[0]), state
 
     def all_reduce_bucket(self, flat, state, bucket, *, axis_name, axis_size):
-        out, state, _ = self._all_reduce(flat, state, bucket.sizes, axis_name, axis_size, False)
-        return out, state
+        sizes = bucket.sizes
+        signs, scales, state, _ = self._all_reduce(flat, state, sizes, axis_name, axis_size, False)
+        return self._decode(signs, scales, flat.shape[0]), state
+
+    # Guarded: the mean is decoded by a conditional into a buffer of its own, which XLA cannot
+    # fuse into the consumers: fused, each consumer in a leaf's shape (an optimizer's moment and
+    # parameter updates) decoded a packed byte per element, unvectorised (1-bit Adam's step, MLP
+    # 4 x 2048^2: its moment passes 5.0 -> 3.3 ms each on one core). Not finite (the devices
+    # agree, from the gathered scales): NaN, as the scales would be, or the fallback.
 
     def guarded_all_reduce_bucket(self, flat, state, bucket, *, axis_name, axis_size):
-        return self._all_reduce(flat, state, bucket.sizes, axis_name, axis_size, guard=True)
+        signs, scales, state, finite = self._all_reduce(
+            flat, state, bucket.sizes, axis_name, axis_size, guard=True
+        )
+        numel = flat.shape[0]
+
+        def nan_mean(signs, scales):
+            return jnp.full((numel,), jnp.nan, scales.dtype)
+
+        decode = lambda signs, scales: self._decode(signs, scales, numel)  # noqa: E731
+        return lax.cond(finite, decode, nan_mean, signs, scales), state, finite
+
+    def guarded_all_reduce_leaves(self, flat, state, bucket, fallback, *, axis_name, axis_size):
+        # The conditional writes the leaves themselves (1-bit Adam's new momentum), or passes
+        # the fallback through: no select over the mean, no copy (the 1-bit Adam step: -7%).
+        signs, scales, state, finite = self._all_reduce(
+            flat, state, bucket.sizes, axis_name, axis_size, guard=True
+        )
+
+        def decode(signs, scales, fallback):
+            return self._decode_leaves(signs, scales, bucket.shapes)
+
+        def keep(signs, scales, fallback):
+            return list(fallback)
+
+        return lax.cond(finite, decode, keep, signs, scales, list(fallback)), state, finite
 
     def _reduce_scatter(self, rows, state: OneBitScatterState, axis_name, axis_size, guard):
         row_numel = rows.shape[1]

@@ -58,10 +58,13 @@ def flat_per_device(tree):
     )
 
 
-def run(tx, steps, params=None):
-    """Params after each step (global layout) for the data-parallel step over ``steps``."""
+def run(tx, steps, params=None, phased=False):
+    """Params after each step (global layout) for the data-parallel step over ``steps``
+    (``phased``: ``make_train_step(..., specialize_phases=True)``)."""
     mesh = jax.make_mesh((N,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
-    step, state = jc.make_train_step(mesh, "dp", linear_loss, tx, params or init_params())
+    step, state = jc.make_train_step(
+        mesh, "dp", linear_loss, tx, params or init_params(), specialize_phases=phased
+    )
     history = []
     for grads in steps:
         state, _ = step(state, grads)

@@ -90,11 +90,20 @@ def test_specialised_step_follows_the_single_program(mesh, name):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
 
 
-def _state_branches(hlo: str, num_scales: int) -> list[str]:
-    """The ENTRY's conditionals that take a float array of more than ``num_scales`` elements.
+def _passes_through(hlo: str, computation: str) -> bool:
+    """Whether ``computation`` (a conditional's branch) returns its parameter unchanged."""
+    body = hlo[hlo.index(f"\n%{computation} (") :].split("\n}", 1)[0]
+    return any(" ROOT " in f" {line}" and " parameter(0)" in line for line in body.splitlines())
 
-    The schedule's branches take the state (moments, error feedback); OneBit's guarded decoding
-    is a conditional too, but it takes only the packed signs (u8) and the ``n`` scales.
+
+def _state_branches(hlo: str, num_scales: int) -> list[str]:
+    """The ENTRY's conditionals that take a float array of more than ``num_scales`` elements and
+    do not just pass it through.
+
+    The schedule's branches take the state (moments, error feedback), and XLA copies a state
+    that passes through one. OneBit's guarded decoding is a conditional too: it takes the
+    packed signs (u8) and the ``n`` scales and, where the mean is the new momentum (1-bit Adam
+    in the step's space), the old momentum, which its other branch returns as it is.
     """
     entry = hlo[hlo.index("ENTRY") :]
     types = {}
@@ -106,6 +115,9 @@ def _state_branches(hlo: str, num_scales: int) -> list[str]:
     for line in entry.splitlines():
         if " conditional(" not in line:
             continue
+        names = line.split("branch_computations={", 1)[1].split("}", 1)[0]
+        if any(_passes_through(hlo, name.strip().lstrip("%")) for name in names.split(",")):
+            continue
         operands = line.split(" conditional(", 1)[1].split(")", 1)[0].split(", ")[1:]
         for operand in operands:
             for dims in types.get(operand.strip(), "").split("f32[")[1:]:
@@ -113,6 +125,17 @@ def _state_branches(hlo: str, num_scales: int) -> list[str]:
                 if size > num_scales:
                     branches.append(line.strip()[:120])
     return branches
+
+
+def _state_copies(hlo: str, num_scales: int) -> list[str]:
+    """Copies of float arrays of more than ``num_scales`` elements in the compiled program."""
+    found = []
+    for line in hlo.splitlines():
+        if " copy(" in line and " = f32[" in line:
+            dims = line.split(" = f32[", 1)[1].split("]", 1)[0]
+            if np.prod([int(d) for d in dims.split(",") if d]) > num_scales:
+                found.append(line.strip()[:120])
+    return found
 
 
 def test_onebit_programs_have_no_branch_and_the_probe_sends_nothing(mesh):
@@ -131,6 +154,13 @@ def test_onebit_programs_have_no_branch_and_the_probe_sends_nothing(mesh):
     for values in step.compiled_phases:
         hlo = step.program(values).lower(state, batch).compile().as_text()
         assert _state_branches(hlo, n) == []
+        assert _state_copies(hlo, n) == []
+        # In the step's space the mean is the new momentum: the guard's conditional decodes it
+        # into the leaves, or passes the old momentum through (no select over it after).
+        fallback = [
+            line for line in hlo.splitlines() if "conditional(" in line and "f32[24]" in line
+        ]
+        assert bool(fallback) == (values == (2,)), fallback
         kinds = {c.op for c in collectives_in_hlo(hlo)}
         # warm-up: the exact fp32 mean; compressed: OneBit's packed signs, no fp32 all-reduce
         # of the parameters' size.

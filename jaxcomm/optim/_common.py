@@ -14,9 +14,10 @@ import optax
 from jax import lax
 
 from jaxcomm._compat import ensure_varying
-from jaxcomm.collectives import compressed_pmean
+from jaxcomm.collectives import compressed_pmean, compressed_pmean_or_fallback
 from jaxcomm.compressors import Compressor, NoCompression
 from jaxcomm.phases import recording_phases
+from jaxcomm.state import plan_tree
 
 PyTree = Any
 
@@ -142,6 +143,27 @@ def compressed_mean_call(tree, comm, axis_name, compressor, bucket_bytes):
     return compressed_pmean(
         tree, comm, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes
     )
+
+
+def compressed_mean_or_fallback_call(tree, comm, fallback, axis_name, compressor, bucket_bytes):
+    """``compressed_pmean_or_fallback`` that keeps a leafless state (exact compressors) as it
+    was: ``(mean or fallback, state, finite)``."""
+    stateful = bool(jax.tree_util.tree_leaves(comm))
+    out, new, finite = compressed_pmean_or_fallback(
+        tree,
+        comm if stateful else None,
+        fallback,
+        axis_name=axis_name,
+        compressor=compressor,
+        bucket_bytes=bucket_bytes,
+    )
+    return out, (new if stateful else comm), finite
+
+
+def floating_buckets(tree: PyTree, compressor: Compressor, bucket_bytes: int | None) -> int:
+    """How many non-empty floating buckets the collectives cut ``tree`` into."""
+    _, _, buckets = plan_tree(tree, compressor, bucket_bytes)
+    return sum(1 for b in buckets if b.numel and not b.exact)
 
 
 def varying(tree: PyTree, axis_name: str) -> PyTree:

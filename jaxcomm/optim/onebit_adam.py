@@ -37,10 +37,12 @@ from jaxcomm.optim._common import (
     check_compressor,
     check_skips,
     compressed_mean_call,
+    compressed_mean_or_fallback_call,
     damped_denominator,
     ema,
     exact_mean,
     f32,
+    floating_buckets,
     keep_if,
     learning_rate_at,
     mean_finite,
@@ -179,6 +181,20 @@ def scale_by_onebit_adam(
             frozen = kind >= 1
             in_step_space = kind == 2
 
+        # In a compressed step known at trace time that compresses mu itself (in the step's
+        # space, or without preconditioning) and masks nothing, the mean is the new momentum:
+        # it falls back to the old one where it is not finite, inside the collective (OneBit
+        # decodes it straight into the leaves), instead of a select over it afterwards (a read
+        # of the mean and of mu, a write of mu: 7% of the phased step, MLP 4 x 2048^2). With
+        # one bucket that is the whole skip; with several, a bucket may fall back alone, so the
+        # select stays.
+        mean_is_momentum = (
+            frozen is True and momentum_mask is None and (in_step_space is True or not precondition)
+        )
+        fallback_is_skip = (
+            mean_is_momentum and floating_buckets(state.mu, compressor, bucket_bytes) <= 1
+        )
+
         def frozen_denominator(in_step_space):
             """``d`` after the freeze: ``nu`` itself once in the step's space, else from ``v``."""
             if in_step_space is True:
@@ -209,6 +225,10 @@ def scale_by_onebit_adam(
                 local = jax.tree.map(local_step, mu, g, frozen_denominator(in_step_space))
             else:
                 local = ema(mu, g, b1_)  # in the branch, so that it fuses into the 1-bit pass
+            if mean_is_momentum:
+                return compressed_mean_or_fallback_call(
+                    local, comm, mu, axis_name, compressor, bucket_bytes
+                )
             mean, new = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
             return mean, new, mean_finite(mean, comm, new, axis_name, compressor=compressor)
 
@@ -234,7 +254,8 @@ def scale_by_onebit_adam(
         # A non-finite mean gradient or momentum (NaN/Inf on any device) skips the step: the
         # moments stay, the collectives' guard kept the error feedback, nothing moves. (The
         # step is taken of the kept moments: taken of the new ones, XLA copied mu and nu.)
-        mu, nu = keep_if(ok, mu, state.mu), keep_if(ok, nu, state.nu)
+        mu = mu if fallback_is_skip else keep_if(ok, mu, state.mu)
+        nu = keep_if(ok, nu, state.nu)
         if not precondition:
             step = jax.tree.map(lambda m, den: (m / c1) / den, mu, denominator(nu, frozen))
         elif frozen is True:
@@ -317,6 +338,10 @@ def onebit_adam(
       error feedback) and ``state.skipped`` / ``skipped_total`` count it; after more than
       ``max_consecutive_skips`` (16) in a row the step raises ``FloatingPointError``
       (inside JAX's runtime error). Like ``optax.apply_if_finite``, for every device at once.
+      With several buckets (``bucket_bytes``) each bucket's guard decides alone: a skipped
+      step keeps the error feedback of the buckets that were not finite, and the others' moves
+      on (one step of their compressed momentum is lost); with one bucket, the default, the
+      skip is exact.
 
     Differences from DeepSpeed, on purpose: DeepSpeed's first ``step()`` only allocates buffers
     (so it runs ``freeze_step - 1`` real warm-up updates); here every call is an update and

@@ -79,6 +79,18 @@ def test_nonfinite_steps_are_skipped_exactly(name, phased):
     assert skip_counters(state.opt_state) == (0, 5)
 
 
+def test_phased_onebit_adam_skips_its_first_compressed_step_exactly():
+    # The first compressed step moves the moments into the step's space; skipped, the momentum
+    # the collective falls back to is still Adam's (and state.preconditioned stays False).
+    clean = grad_steps(7, seed=24)
+    steps = clean[:3] + [poisoned(clean[3], np.nan)] + clean[3:]  # freeze_step=3
+    want, _ = run(BUILDERS["onebit_adam"](), clean, phased=True)
+    got, state = run(BUILDERS["onebit_adam"](), steps, phased=True)
+    for k in SHAPES:
+        np.testing.assert_array_equal(got[-1][k], want[-1][k], err_msg=k)
+    assert skip_counters(state.opt_state) == (0, 1)
+
+
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_too_many_consecutive_skips_raise(name):
     clean = grad_steps(3, seed=22)

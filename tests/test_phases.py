@@ -155,12 +155,12 @@ def test_onebit_programs_have_no_branch_and_the_probe_sends_nothing(mesh):
         hlo = step.program(values).lower(state, batch).compile().as_text()
         assert _state_branches(hlo, n) == []
         assert _state_copies(hlo, n) == []
-        # In the step's space the mean is the new momentum: the guard's conditional decodes it
-        # into the leaves, or passes the old momentum through (no select over it after).
+        # Compressed, the mean is the new momentum: the guard's conditional decodes it into the
+        # leaves, or passes the old momentum through (no select over it after).
         fallback = [
             line for line in hlo.splitlines() if "conditional(" in line and "f32[24]" in line
         ]
-        assert bool(fallback) == (values == (2,)), fallback
+        assert bool(fallback) == (values[0] >= 1), fallback
         kinds = {c.op for c in collectives_in_hlo(hlo)}
         # warm-up: the exact fp32 mean; compressed: OneBit's packed signs, no fp32 all-reduce
         # of the parameters' size.

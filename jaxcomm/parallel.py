@@ -397,6 +397,7 @@ def make_pmap_train_step(
     devices: Sequence[jax.Device] | None = None,
     has_aux: bool = False,
     donate: bool = True,
+    specialize_phases: bool = False,
 ) -> tuple[Callable, TrainState]:
     """The ``jax.pmap`` variant of :func:`make_train_step`.
 
@@ -404,7 +405,9 @@ def make_pmap_train_step(
     turns it into the global layout, e.g. to compare or checkpoint interchangeably).
     ``step(state, batch)`` takes the same global batch as the ``shard_map`` step (split into
     ``n`` equal parts on its leading axis) and returns ``(state, metrics)``, metrics unstacked.
-    ``step.pmapped`` is the underlying ``pmap`` function (batch already ``(n, b, ...)``).
+    ``step.pmapped`` is the underlying ``pmap`` function (batch already ``(n, b, ...)``);
+    with ``specialize_phases`` (as :func:`make_train_step`'s: one ``pmap`` per phase, chosen on
+    the host) it is the :class:`jaxcomm.phases.PhasedStep`, and ``step.phased`` too.
     """
     devices = list(jax.local_devices() if devices is None else devices)
     n = len(devices)
@@ -415,17 +418,37 @@ def make_pmap_train_step(
     def body(state, batch):
         return _local_train_step(loss_fn, tx, axis_name, has_aux, state, batch, varying=False)
 
-    pmapped = jax.pmap(
-        body,
-        axis_name=axis_name,
-        devices=devices,
-        out_axes=(0, None),
-        donate_argnums=(0,) if donate else (),
-    )
+    def probe(state, batch):  # the phases only: the step itself is dead code
+        with record_phases() as recorded:
+            body(state, batch)
+        return jnp.stack(recorded.values) if recorded.values else jnp.zeros(0, jnp.int32)
+
+    def compile_pmap(fn, donate_argnums=(), out_axes=(0, None)):
+        return jax.pmap(
+            fn,
+            axis_name=axis_name,
+            devices=devices,
+            out_axes=out_axes,
+            donate_argnums=donate_argnums,
+        )
+
+    donate_argnums = (0,) if donate else ()
+    if specialize_phases:
+        pmapped = PhasedStep(
+            body,
+            probe,
+            donate_argnums=donate_argnums,
+            compile=compile_pmap,
+            compile_probe=functools.partial(compile_pmap, out_axes=0),
+        )
+    else:
+        pmapped = compile_pmap(body, donate_argnums)
 
     def step(state: TrainState, batch):
         split = jax.tree.map(lambda x: jnp.reshape(x, (n, -1, *jnp.shape(x)[1:])), batch)
         return pmapped(state, split)
 
     step.pmapped = pmapped
+    if specialize_phases:
+        step.phased = pmapped
     return step, state

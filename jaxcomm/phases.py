@@ -160,14 +160,23 @@ class PhasedStep:
     ``jc.make_train_step(..., specialize_phases=True)``.
 
     Each call waits for its input state (the probe reads it), so the host does not run ahead
-    of the device by more than one step.
+    of the device by more than one step. ``compile(fn, donate_argnums)`` turns a traced
+    function into a program and ``compile_probe(probe)`` the probe (default ``jax.jit``;
+    ``jax.pmap`` for ``jc.make_pmap_train_step``).
     """
 
     def __init__(
-        self, traced: Callable, probe: Callable, *, donate_argnums: tuple[int, ...] = ()
+        self,
+        traced: Callable,
+        probe: Callable,
+        *,
+        donate_argnums: tuple[int, ...] = (),
+        compile: Callable[[Callable, tuple[int, ...]], Callable] | None = None,
+        compile_probe: Callable[[Callable], Callable] = jax.jit,
     ) -> None:
         self._traced, self._donate = traced, donate_argnums
-        self._probe = jax.jit(probe)
+        self._compile = compile or (lambda fn, donate: jax.jit(fn, donate_argnums=donate))
+        self._probe = compile_probe(probe)
         self._programs: dict[tuple[int, ...], Callable] = {}
         self._without_phases = False  # set once a probe found no phase at all
         self.last_phases: tuple[int, ...] | None = None  #: the phases of the latest call
@@ -177,12 +186,14 @@ class PhasedStep:
         if self._without_phases:
             return ()
         out = self._probe(*args)
-        # This process's rows (a multi-process array is not fetched whole).
-        rows = np.concatenate([np.asarray(s.data) for s in out.addressable_shards])
-        if rows.size == 0:
+        if out.shape[-1] == 0:
             self._without_phases = True
             return ()
-        rows = rows.reshape(-1, rows.shape[-1])
+        # This process's rows (a multi-process array is not fetched whole), (devices, phases).
+        width = out.shape[-1]
+        rows = np.concatenate(
+            [np.asarray(s.data).reshape(-1, width) for s in out.addressable_shards]
+        )
         if (rows != rows[0]).any():
             raise RuntimeError(
                 f"jaxcomm: the devices disagree on the step's phases {rows.tolist()}: a phase "
@@ -198,7 +209,7 @@ class PhasedStep:
                 with fixed_phases(_values):
                     return self._traced(*args)
 
-            self._programs[values] = jax.jit(fixed, donate_argnums=self._donate)
+            self._programs[values] = self._compile(fixed, self._donate)
         return self._programs[values]
 
     def __call__(self, *args):

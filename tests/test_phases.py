@@ -90,6 +90,28 @@ def test_specialised_step_follows_the_single_program(mesh, name):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam"])
+def test_pmap_step_specialises_phases_as_the_shard_map_one(mesh, name):
+    # Replicated (1-bit Adam) and per-device (0/1 Adam) state; the same programs per phase.
+    make, phases = SCHEDULES[name]
+    params, batch = regression()
+    tx = make(jc.NoCompression())
+    sharded, s1 = jc.make_train_step(mesh, "dp", loss_fn, tx, params, specialize_phases=True)
+    pmapped, s2 = jc.make_pmap_train_step(
+        "dp", loss_fn, tx, params, devices=jax.devices()[:N], specialize_phases=True
+    )
+    on_mesh = batch_on(mesh, batch)
+    for _ in range(STEPS):
+        s1, l1 = sharded(s1, on_mesh)
+        s2, l2 = pmapped(s2, batch)
+        np.testing.assert_allclose(l2, l1, rtol=STEPS * 8 * 2**-24 * 10)
+    assert set(pmapped.phased.compiled_phases) == phases
+    assert pmapped.phased.last_phases == sharded.last_phases
+    got = jc.from_pmap_layout(s2)
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
 def _passes_through(hlo: str, computation: str) -> bool:
     """Whether ``computation`` (a conditional's branch) returns its parameter unchanged."""
     body = hlo[hlo.index(f"\n%{computation} (") :].split("\n}", 1)[0]

@@ -357,8 +357,7 @@ def make_train_step(
                     _local_train_step(
                         loss_fn, tx, axis_name, has_aux, local_view(state), batch, True, blocks
                     )
-                values = jnp.stack(recorded.values) if recorded.values else jnp.zeros(0, int)
-                return ensure_varying(values.astype(jnp.int32), axis_name)[None]
+                return ensure_varying(recorded.as_array(), axis_name)[None]
             new, metrics = _local_train_step(
                 loss_fn, tx, axis_name, has_aux, local_view(state), batch, True, blocks
             )
@@ -421,7 +420,7 @@ def make_pmap_train_step(
     def probe(state, batch):  # the phases only: the step itself is dead code
         with record_phases() as recorded:
             body(state, batch)
-        return jnp.stack(recorded.values) if recorded.values else jnp.zeros(0, jnp.int32)
+        return recorded.as_array()
 
     def compile_pmap(fn, donate_argnums=(), out_axes=(0, None)):
         return jax.pmap(

@@ -50,6 +50,10 @@ class _Recording:
         self.values.append(jnp.asarray(value, jnp.int32).reshape(()))
         return value
 
+    def as_array(self) -> jax.Array:
+        """The recorded values as one int32 vector (empty when the step has no phase)."""
+        return jnp.stack(self.values) if self.values else jnp.zeros(0, jnp.int32)
+
 
 class _Fixed:
     """Hands out the values the probe recorded, one per :func:`phase` call, in trace order."""

@@ -133,31 +133,25 @@ def exact_mean(tree: PyTree, axis_name: str, bucket_bytes: int | None) -> PyTree
     return out
 
 
+def _keeping_leafless_state(reduce, tree, comm, *args, **kwargs) -> tuple:
+    """``reduce(tree, comm, *args, **kwargs)``, given ``None`` for a leafless state (exact
+    compressors) and returning that state as it was."""
+    stateful = bool(jax.tree_util.tree_leaves(comm))
+    out, new, *rest = reduce(tree, comm if stateful else None, *args, **kwargs)
+    return (out, new if stateful else comm, *rest)
+
+
 def compressed_mean_call(tree, comm, axis_name, compressor, bucket_bytes):
     """``compressed_pmean`` that keeps a leafless state (exact compressors) as it was."""
-    if not jax.tree_util.tree_leaves(comm):
-        out, _ = compressed_pmean(
-            tree, None, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes
-        )
-        return out, comm
-    return compressed_pmean(
-        tree, comm, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes
-    )
+    kw = dict(axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes)
+    return _keeping_leafless_state(compressed_pmean, tree, comm, **kw)
 
 
 def compressed_mean_or_fallback_call(tree, comm, fallback, axis_name, compressor, bucket_bytes):
     """``compressed_pmean_or_fallback`` that keeps a leafless state (exact compressors) as it
     was: ``(mean or fallback, state, finite)``."""
-    stateful = bool(jax.tree_util.tree_leaves(comm))
-    out, new, finite = compressed_pmean_or_fallback(
-        tree,
-        comm if stateful else None,
-        fallback,
-        axis_name=axis_name,
-        compressor=compressor,
-        bucket_bytes=bucket_bytes,
-    )
-    return out, (new if stateful else comm), finite
+    kw = dict(axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes)
+    return _keeping_leafless_state(compressed_pmean_or_fallback, tree, comm, fallback, **kw)
 
 
 def floating_buckets(tree: PyTree, compressor: Compressor, bucket_bytes: int | None) -> int:

@@ -38,6 +38,7 @@ from jaxcomm.hierarchical import (
     init_hierarchical_state,
     wire_bytes_by_axes,
 )
+from jaxcomm.host_allocator import apply_default as _apply_host_allocator_default
 from jaxcomm.host_allocator import configure_host_allocator
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
 from jaxcomm.optim.diloco import diloco
@@ -73,6 +74,9 @@ from jaxcomm.reshard import reshard_train_state, train_state_template
 from jaxcomm.resize import resize_state
 
 __version__ = "0.1.0"
+
+# On a CPU backend, glibc keeps XLA:CPU step buffers mapped (opt out: JAXCOMM_HOST_ALLOCATOR=0).
+_apply_host_allocator_default()
 
 __all__ = [
     "CommBackend",

@@ -20,15 +20,23 @@ exact data-parallel Adam 1595 -> 1163, 1-bit Adam 338 -> 205, 0/1 Adam 376 -> 18
 The cost: the process's resident memory stays at its peak heap (freed memory is kept for the
 next step, which is what a training loop wants) and small allocations of all threads share one
 arena lock. The settings are process-wide and only take effect before JAX starts its threads: call
-it first, before any JAX computation. :func:`jaxcomm.init_distributed` calls it for CPU backends
-(``host_allocator=False`` opts out).
+it first, before any JAX computation.
+
+It is the default: ``import jaxcomm`` applies it when JAX will run on the CPU (``JAX_PLATFORMS``
+names ``cpu`` first, or no GPU/TPU plugin is installed), so a CPU training script gets it without
+a call. Set ``JAXCOMM_HOST_ALLOCATOR=0`` in the environment to opt out (``=1`` applies it on any
+platform). :func:`jaxcomm.init_distributed` applies it for gloo/mpi collectives
+(``host_allocator=False`` opts out there).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.metadata
+import importlib.util
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -97,3 +105,41 @@ def configure_host_allocator() -> bool:
             return False
     _applied = True
     return True
+
+
+#: Environment variable: ``0``/``false``/``off`` opts out of the import-time default, ``1``/
+#: ``true``/``on`` applies it whatever the platform.
+ENV_VAR = "JAXCOMM_HOST_ALLOCATOR"
+
+
+def _accelerator_plugin_installed() -> bool:
+    """Whether a JAX GPU or TPU plugin is installed (JAX would then not default to the CPU)."""
+    if importlib.util.find_spec("libtpu") is not None:
+        return True
+    try:
+        return any(True for _ in importlib.metadata.entry_points(group="jax_plugins"))
+    except Exception:  # pragma: no cover (a broken distribution's metadata)
+        return False
+
+
+def default_wanted(environ: dict[str, str] | None = None) -> bool:
+    """Whether the import-time default applies: the opt-out, else JAX's CPU backend expected.
+
+    ``JAXCOMM_HOST_ALLOCATOR`` decides when set; otherwise ``JAX_PLATFORMS`` (its first entry
+    ``cpu``), otherwise whether no GPU/TPU plugin is installed.
+    """
+    env = os.environ if environ is None else environ
+    setting = env.get(ENV_VAR, "").strip().lower()
+    if setting in ("0", "false", "off", "no"):
+        return False
+    if setting in ("1", "true", "on", "yes"):
+        return True
+    platforms = env.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    return not _accelerator_plugin_installed()
+
+
+def apply_default() -> bool:
+    """Apply :func:`configure_host_allocator` if :func:`default_wanted` (``import jaxcomm``)."""
+    return configure_host_allocator() if default_wanted() else False

@@ -29,7 +29,9 @@ PROBE = textwrap.dedent(
             "uordblks", "fordblks", "keepcost")]
     libc = ctypes.CDLL(None)
     libc.mallinfo2.restype = MallInfo2
-    if MODE == "configure":
+    if MODE == "import":
+        import jaxcomm
+    elif MODE == "configure":
         import jaxcomm as jc
         assert jc.configure_host_allocator() is True
         assert jc.configure_host_allocator() is True  # idempotent
@@ -65,8 +67,10 @@ def _glibc_with_mallinfo2() -> bool:
 pytestmark = pytest.mark.skipif(not _glibc_with_mallinfo2(), reason="needs glibc >= 2.33")
 
 
-def _probe(mode: str, *extra: str) -> dict:
+def _probe(mode: str, *extra: str, **set_env: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.pop("JAXCOMM_HOST_ALLOCATOR", None)
+    env.update(set_env)
     out = subprocess.run(
         [sys.executable, "-c", PROBE, mode, *extra],
         capture_output=True,
@@ -102,6 +106,27 @@ def test_configured_heap_serves_and_keeps_a_large_buffer():
 def test_init_distributed_configures_it_for_cpu_backends_unless_told_not_to():
     on = _probe("init_distributed", _free_port())
     assert on["alive_mmapped"] < MIB and on["freed_heap"] >= 64 * MIB
-    off = _probe("init_distributed_off", _free_port())
+    off = _probe("init_distributed_off", _free_port(), JAXCOMM_HOST_ALLOCATOR="0")
     assert off["alive_mmapped"] >= 64 * MIB
+
+
+def test_import_applies_it_on_cpu_unless_opted_out():
+    on = _probe("import", JAX_PLATFORMS="cpu")
+    assert on["alive_mmapped"] < MIB and on["freed_heap"] >= 64 * MIB
+    off = _probe("import", JAX_PLATFORMS="cpu", JAXCOMM_HOST_ALLOCATOR="0")
+    assert off["alive_mmapped"] >= 64 * MIB
+    # An accelerator named first: left to the user (the heap settings are for XLA:CPU).
+    gpu = _probe("import", JAX_PLATFORMS="cuda,cpu")
+    assert gpu["alive_mmapped"] >= 64 * MIB
+    forced = _probe("import", JAX_PLATFORMS="cuda,cpu", JAXCOMM_HOST_ALLOCATOR="1")
+    assert forced["alive_mmapped"] < MIB
+
+
+def test_default_wanted_reads_the_environment():
+    from jaxcomm.host_allocator import default_wanted
+
+    assert default_wanted({"JAX_PLATFORMS": "cpu"})
+    assert not default_wanted({"JAX_PLATFORMS": "tpu"})
+    assert not default_wanted({"JAX_PLATFORMS": "cpu", "JAXCOMM_HOST_ALLOCATOR": "off"})
+    assert default_wanted({"JAX_PLATFORMS": "tpu", "JAXCOMM_HOST_ALLOCATOR": "on"})
 

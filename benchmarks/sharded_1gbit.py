@@ -95,8 +95,8 @@ def _worker(args: argparse.Namespace) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm as jc
-    from jaxcomm.distributed import init_distributed
     from jaxcomm.hlo import wire_bytes
+    from jaxcomm.runtime import init_distributed
 
     info = init_distributed("gloo", initialization_timeout=120)
     rank, n = info.process_id, info.num_processes

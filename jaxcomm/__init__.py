@@ -31,15 +31,12 @@ from jaxcomm.compressors import (
     TwoStageScatterState,
     TwoStageState,
 )
-from jaxcomm.distributed import DistributedInfo, init_distributed
 from jaxcomm.hierarchical import (
     hierarchical_pmean,
     hierarchical_psum,
     init_hierarchical_state,
     wire_bytes_by_axes,
 )
-from jaxcomm.host_allocator import apply_default as _apply_host_allocator_default
-from jaxcomm.host_allocator import configure_host_allocator
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
 from jaxcomm.optim.diloco import diloco
 from jaxcomm.optim.diloco_state import (
@@ -52,7 +49,6 @@ from jaxcomm.optim.onebit_adam import OneBitAdamState, onebit_adam, scale_by_one
 from jaxcomm.optim.onebit_lamb import OneBitLambState, onebit_lamb
 from jaxcomm.optim.sharded import ShardedState, sharded
 from jaxcomm.optim.zero_one_adam import LocalState, ZeroOneAdamState, zero_one_adam
-from jaxcomm.overlap import xla_flags
 from jaxcomm.parallel import (
     TrainState,
     from_pmap_layout,
@@ -72,6 +68,8 @@ from jaxcomm.parallel import (
 from jaxcomm.phases import PhasedStep, phase, phase_cond, phase_switch
 from jaxcomm.reshard import reshard_train_state, train_state_template
 from jaxcomm.resize import resize_state
+from jaxcomm.runtime import DistributedInfo, configure_host_allocator, init_distributed, xla_flags
+from jaxcomm.runtime.host_allocator import apply_default as _apply_host_allocator_default
 
 __version__ = "0.1.0"
 

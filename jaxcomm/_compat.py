@@ -1,7 +1,8 @@
 """Small shims over JAX APIs that moved between releases, and axis checks.
 
 jaxcomm targets jax >= 0.8 (``jax.shard_map`` with ``check_vma``). Everything that touches a
-private or recently renamed JAX symbol lives here so the rest of the package reads plainly.
+private or recently renamed JAX symbol lives here so the rest of the package reads plainly:
+the gather typed as replicated, whether the backends exist, ``jax.distributed``'s state.
 """
 
 from __future__ import annotations
@@ -72,3 +73,26 @@ def all_gather_replicated(x: jax.Array, axis_name: str) -> jax.Array:
     if _all_gather_invariant is not None and set(_axes(axis_name)) <= _vma(x):
         return _all_gather_invariant(x, axis_name)
     return lax.all_gather(x, axis_name)
+
+
+def backends_initialized() -> bool:
+    """Whether JAX has created its backends (too late then for jax.distributed and XLA flags)."""
+    # jax._src.xla_bridge is private but stable for years; if it moves, fall back to letting
+    # jax.distributed.initialize raise its own error.
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # pragma: no cover
+        return False
+
+
+def distributed_global_state():
+    """``jax.distributed``'s global state, read without starting a backend; ``None`` if the
+    private module moved (jax 0.8-0.10 keep it in ``jax._src.distributed``)."""
+    try:
+        from jax._src import distributed as _dist
+
+        return _dist.global_state
+    except (ImportError, AttributeError):  # pragma: no cover - a newer JAX layout
+        return None

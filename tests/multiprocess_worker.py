@@ -33,7 +33,7 @@ def main(out_dir: str, steps: int) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm as jc
-    from jaxcomm.distributed import init_distributed
+    from jaxcomm.runtime import init_distributed
 
     info = init_distributed("gloo", initialization_timeout=60)
     rank, n = info.process_id, info.num_processes

@@ -123,7 +123,7 @@ def test_import_applies_it_on_cpu_unless_opted_out():
 
 
 def test_default_wanted_reads_the_environment():
-    from jaxcomm.host_allocator import default_wanted
+    from jaxcomm.runtime.host_allocator import default_wanted
 
     assert default_wanted({"JAX_PLATFORMS": "cpu"})
     assert not default_wanted({"JAX_PLATFORMS": "tpu"})

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import jaxcomm as jc
-from jaxcomm.overlap import FLAG_DOCS, merge_flags, set_xla_flags
+from jaxcomm.runtime import FLAG_DOCS, merge_flags, set_xla_flags
 
 
 def _names(flags: str) -> list[str]:

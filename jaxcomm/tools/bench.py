@@ -471,8 +471,7 @@ def _rows(results: Sequence[dict]) -> list[BenchRow]:
 def _in_process(config: BenchConfig) -> list[BenchRow]:
     import jax
 
-    from jaxcomm.distributed import backends_initialized
-    from jaxcomm.host_allocator import configure_host_allocator
+    from jaxcomm.runtime import backends_initialized, configure_host_allocator
 
     # Simulated devices must be requested before jax initializes its CPU backend, and the
     # host allocator set as the multi-process workers' init_distributed sets it.
@@ -515,7 +514,7 @@ def _worker(out_dir: str, config_json: str) -> None:
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxcomm.distributed import init_distributed
+    from jaxcomm.runtime import init_distributed
 
     raw = json.loads(config_json)
     config = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})

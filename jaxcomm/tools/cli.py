@@ -337,8 +337,7 @@ def _add_demo(sub) -> None:
     )
 
     def run(args):
-        from jaxcomm.distributed import backends_initialized
-        from jaxcomm.host_allocator import configure_host_allocator
+        from jaxcomm.runtime import backends_initialized, configure_host_allocator
         from jaxcomm.tools import demo  # the plot needs matplotlib (the `examples` extra)
 
         if not backends_initialized():  # XLA:CPU steps without page faults (see there)

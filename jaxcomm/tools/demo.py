@@ -601,7 +601,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     import jax
 
     if args.distributed:
-        from jaxcomm.distributed import init_distributed
+        from jaxcomm.runtime import init_distributed
 
         init_distributed()
     elif "JAX_NUM_CPU_DEVICES" not in os.environ:

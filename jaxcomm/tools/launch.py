@@ -1,7 +1,7 @@
 """Local multi-process launcher (torchrun-style) for tests, benchmarks and, later, the CLI.
 
 :func:`launch_local` starts ``num_processes`` copies of a command on this machine with the
-environment :func:`jaxcomm.distributed.init_distributed` reads (``MASTER_ADDR=127.0.0.1``,
+environment :func:`jaxcomm.init_distributed` reads (``MASTER_ADDR=127.0.0.1``,
 ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), captures each
 rank's output, and tears everything down as soon as one rank fails or the timeout passes: each
 rank runs in its own process group, which is killed as a whole, so nothing is left behind.
@@ -393,7 +393,7 @@ def launch_local(
     """Runs ``num_processes`` ranks of ``argv`` on this machine and waits for them.
 
     Each rank gets ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (so :func:`jaxcomm.distributed.init_distributed`
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (so :func:`jaxcomm.init_distributed`
     needs no arguments), ``PYTHONUNBUFFERED=1``, and its own process group. When a rank exits
     non-zero, or ``timeout`` passes, all other ranks' groups get SIGTERM, then SIGKILL after
     ``kill_grace`` seconds. Where ``setpriv`` exists, ranks also get SIGKILL if the launching

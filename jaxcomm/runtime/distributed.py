@@ -9,13 +9,12 @@ chooses a communication backend. :func:`init_distributed` does the same for JAX:
     ``"gloo"`` (TCP) or ``"mpi"`` (through MPItrampoline) before the CPU client is created.
 
 The environment parsing lives in the pure function :func:`resolve_distributed_env`
-(:mod:`jaxcomm.distributed_env`, also importable from here), so it can be unit-tested without
-starting anything.
+(:mod:`jaxcomm.runtime.environment`), so it can be unit-tested without starting anything.
 
 Example::
 
     import jaxcomm as jc
-    info = jc.distributed.init_distributed()   # before any other JAX call
+    info = jc.init_distributed()   # before any other JAX call
     print(info.process_id, info.num_processes)
 """
 
@@ -30,12 +29,9 @@ from typing import NamedTuple
 
 import jax
 
-from jaxcomm.distributed_env import (  # noqa: F401  (DistributedEnv: re-exported, as before)
-    COORDINATOR_ENV,
-    DistributedEnv,
-    resolve_distributed_env,
-)
-from jaxcomm.host_allocator import configure_host_allocator
+from jaxcomm._compat import backends_initialized, distributed_global_state
+from jaxcomm.runtime.environment import COORDINATOR_ENV, resolve_distributed_env
+from jaxcomm.runtime.host_allocator import configure_host_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -109,18 +105,6 @@ def _check_mpi() -> None:
         raise RuntimeError(f"MPITRAMPOLINE_LIB={lib!r} does not exist.")
 
 
-def backends_initialized() -> bool:
-    """Whether JAX has created its backends (too late then for jax.distributed and XLA flags)."""
-    # jax._src.xla_bridge is private but stable for years; if it moves, fall back to letting
-    # jax.distributed.initialize raise its own error.
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):  # pragma: no cover
-        return False
-
-
 def _select_backend(backend: str) -> str:
     """Applies ``backend`` to JAX's config and returns the name reported in the info."""
     if backend not in BACKENDS:
@@ -149,17 +133,15 @@ def _select_backend(backend: str) -> str:
 
 def _current_info(backend: str) -> DistributedInfo:
     """Info for an already initialized ``jax.distributed``, read without starting a backend."""
-    try:  # private (jax 0.8-0.10): the only place that does not start a backend
-        from jax._src import distributed as _dist
-
-        state = _dist.global_state
+    state = distributed_global_state()  # private (jax 0.8-0.10): starts no backend
+    try:
         return DistributedInfo(
             process_id=int(state.process_id),
             num_processes=int(state.num_processes),
             coordinator_address=state.coordinator_address,
             backend=backend,
         )
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a newer JAX layout
+    except (AttributeError, TypeError):  # pragma: no cover - a newer JAX layout
         # The public calls start the backend, which is allowed once jax.distributed is up.
         return DistributedInfo(jax.process_index(), jax.process_count(), None, backend)
 
@@ -210,8 +192,8 @@ def init_distributed(
             --heartbeat-timeout`` sets it), else JAX's default, 100 s.
         host_allocator: Whether to call :func:`jaxcomm.configure_host_allocator` first (glibc
             keeps every step's buffers mapped: without it an XLA:CPU train step pays page
-            faults on hundreds of MiB per step, measured up to 2x its time). Default: for the
-            CPU backends (``"gloo"``, ``"mpi"``).
+            faults on hundreds of MiB per step). Default: for the CPU backends (``"gloo"``,
+            ``"mpi"``).
 
     Returns:
         A :class:`DistributedInfo`.

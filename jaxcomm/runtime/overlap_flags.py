@@ -129,7 +129,7 @@ def set_xla_flags(platform: str = "gpu", **kwargs) -> str:
     Raises:
       RuntimeError: a JAX backend already exists, so the flags would be ignored.
     """
-    from jaxcomm.distributed import backends_initialized
+    from jaxcomm._compat import backends_initialized
 
     if backends_initialized():
         raise RuntimeError(

@@ -4,7 +4,7 @@
 ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), Open MPI (``OMPI_COMM_WORLD_*``) or
 ``jaxcomm launch`` (``JAXCOMM_COORDINATOR``) set, with explicit arguments winning, and checks it,
 without starting anything, so it is unit-tested on plain dicts.
-:func:`jaxcomm.distributed.init_distributed` then starts ``jax.distributed`` with the result.
+:func:`jaxcomm.init_distributed` then starts ``jax.distributed`` with the result.
 """
 
 from __future__ import annotations

@@ -3,19 +3,15 @@
 An XLA:CPU step allocates its temporaries and outputs with ``malloc`` every time it runs. glibc
 serves a request above its mmap threshold (dynamic, at most 32 MiB) with a fresh ``mmap`` and
 returns it to the kernel on ``free``, and each thread's arena is trimmed back when its top is
-free: the next step touches brand-new pages and pays a page fault per 4 KiB (measured here,
-0.4 ms per MiB written against 0.02 ms in a mapped buffer). A train step of a 16.8M-parameter
-model allocates hundreds of MiB this way, so its element-wise passes ran at a fraction of the
-memory bandwidth, and a compressed step (more passes per parameter than Adam's) lost more than
-the communication saved.
+free: the next step touches brand-new pages and pays a page fault per 4 KiB. A train step
+allocates hundreds of MiB this way, so its element-wise passes run at a fraction of the memory
+bandwidth (a compressed step, with more passes per parameter than Adam's, loses most).
 
 :func:`configure_host_allocator` makes every thread allocate from glibc's main heap
 (``M_ARENA_MAX=1``), serves large blocks from that heap instead of ``mmap``
 (``M_MMAP_THRESHOLD``) and never gives freed memory back to the kernel (``M_TRIM_THRESHOLD``,
-``M_TOP_PAD``): from the second step on, every buffer a step needs is already mapped. Measured on
-a 2-core AMD EPYC with ``benchmarks/train_step_1gbit.py`` (MLP 4 x 2048 x 2048, 16.8M fp32
-parameters, two processes at 1 Gbit/s, ms per step, before -> after): local Adam 89.5 -> 71.8,
-exact data-parallel Adam 1595 -> 1163, 1-bit Adam 338 -> 205, 0/1 Adam 376 -> 182.
+``M_TOP_PAD``): from the second step on, every buffer a step needs is already mapped (the
+measured speed-ups are in ``CHANGELOG.md``).
 
 The cost: the process's resident memory stays at its peak heap (freed memory is kept for the
 next step, which is what a training loop wants) and small allocations of all threads share one
@@ -88,7 +84,7 @@ def configure_host_allocator() -> bool:
       Call it first thing in a CPU training script (here only the settings are listed, since
       calling it changes the whole process):
 
-      >>> from jaxcomm.host_allocator import SETTINGS
+      >>> from jaxcomm.runtime.host_allocator import SETTINGS
       >>> [name for _, name, _ in SETTINGS]
       ['M_ARENA_MAX', 'M_MMAP_THRESHOLD', 'M_TRIM_THRESHOLD', 'M_TOP_PAD']
     """

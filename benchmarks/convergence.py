@@ -1,6 +1,6 @@
 """Convergence of the 1-bit optimizers on a byte-level transformer LM, against exact Adam/LAMB.
 
-The task (``jaxcomm.tools.models``): a 0.135M-parameter causal transformer (token + position
+The task (``jaxcomm.cli.models``): a 0.135M-parameter causal transformer (token + position
 embeddings, 2 pre-LayerNorm blocks, fused qkv with bias, 4 heads), the full 256-byte vocabulary
 unfiltered, trained on the source of ten Python standard-library modules (offline), data
 parallel on ``--devices`` simulated CPU devices, the same batches for every method. It has the
@@ -146,7 +146,7 @@ def methods(cfg: argparse.Namespace, axis: str) -> dict:
 def bytes_per_kind(mesh, axis: str, params, bucket_bytes) -> dict[str, float]:
     """Bytes per device of one mean of a parameter-shaped fp32 tree, per compressor (HLO)."""
     import jaxcomm as jc
-    from jaxcomm.tools.demo import mean_wire_bytes
+    from jaxcomm.cli.demo import mean_wire_bytes
 
     comps = {
         EXACT: jc.NoCompression(),
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "JAX_NUM_CPU_DEVICES" not in os.environ:
         jax.config.update("jax_num_cpu_devices", max(device_counts))
-    from jaxcomm.tools.models import ByteBatches, ByteTransformer
+    from jaxcomm.cli.models import ByteBatches, ByteTransformer
 
     model = ByteTransformer()
     data = ByteBatches.from_corpus(context=model.context)

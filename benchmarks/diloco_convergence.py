@@ -96,7 +96,7 @@ def compressor(name: str):
 def reduction_bytes(mesh, axis: str, leaves, comp) -> float:
     """Bytes per device of one ``compressed_pmean`` of ``leaves`` (fp32), from the HLO."""
     import jaxcomm as jc
-    from jaxcomm.tools.demo import mean_wire_bytes
+    from jaxcomm.cli.demo import mean_wire_bytes
 
     return mean_wire_bytes(mesh, axis, list(leaves), jc.NoCompression() if comp is None else comp)
 
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
 
     if "JAX_NUM_CPU_DEVICES" not in os.environ:
         jax.config.update("jax_num_cpu_devices", 8)
-    from jaxcomm.tools.textdata import CharBatches
+    from jaxcomm.cli.textdata import CharBatches
 
     cfg = Config(steps=args.steps)
     mesh = jax.make_mesh((cfg.devices,), ("dp",), axis_types=(AxisType.Auto,))

@@ -13,7 +13,7 @@ Two processes (one CPU device each, gloo over TCP) reduce the same tree with fou
 
 The link: first the plain loopback, then a one-way delay of ``--delay`` (1 ms) on every
 connection between the ranks: ``tc netem`` on the loopback of a private network namespace where
-the kernel has it (root), else the userspace TCP relay of :mod:`jaxcomm.tools._delay` (the
+the kernel has it (root), else the userspace TCP relay of :mod:`jaxcomm.cli._delay` (the
 ranks' gloo connections go through a relay that forwards each byte 1 ms later, both ways; the
 ``jax.distributed`` coordinator is not delayed). The output says which one was used and the
 median time of one tiny psum on that link.
@@ -149,7 +149,7 @@ def _worker(args) -> None:
 
 
 def _run(args, delay: str | None) -> dict:
-    from jaxcomm.tools.launch import LaunchError, delay_options, launch_local
+    from jaxcomm.cli.launch import LaunchError, delay_options, launch_local
 
     shaping, label = delay_options(delay)
     with tempfile.TemporaryDirectory(prefix="jaxcomm-latency-") as out:

@@ -1,6 +1,6 @@
 """1-bit LAMB vs exact LAMB: final loss, held-out loss and accuracy, bytes on the wire.
 
-Trains the examples' character-level MLP (``jaxcomm.tools.textdata``: Python's bundled docs,
+Trains the examples' character-level MLP (``jaxcomm.cli.textdata``: Python's bundled docs,
 offline) data-parallel on 8 simulated CPU devices, on the same batches, with
 
 * ``exact + optax.lamb``: the fp32 mean of the gradients, then ``optax.lamb(lr)`` (the
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     import optax
 
     import jaxcomm as jc
+    from jaxcomm.cli.textdata import CharBatches
     from jaxcomm.hlo import wire_bytes
-    from jaxcomm.tools.textdata import CharBatches
 
     steps, lr = args.steps, args.lr
     warm = max(1, steps // 5) if args.warmup is None else args.warmup

@@ -2,7 +2,7 @@
 
 Two processes (one CPU device each, gloo collectives over TCP) in a private network namespace
 whose loopback is shaped with ``tc tbf`` to ``--rate`` (the harness of
-``benchmarks/compressors_1gbit.py``, :func:`jaxcomm.tools.launch.launch_local`). Each trains the
+``benchmarks/compressors_1gbit.py``, :func:`jaxcomm.cli.launch.launch_local`). Each trains the
 same MLP (``--width`` x ``--width`` layers, ``--layers`` of them: 16.8M fp32 parameters, 64 MiB, by
 default) with Adam through ``jc.make_train_step``, one method after the other:
 

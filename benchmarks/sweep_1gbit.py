@@ -42,8 +42,8 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    from jaxcomm.tools import bench
-    from jaxcomm.tools.launch import network_shaping_problem
+    from jaxcomm.cli import bench
+    from jaxcomm.cli.launch import network_shaping_problem
 
     rate = None if args.no_shape else args.rate
     if rate and network_shaping_problem(rate):

@@ -8,7 +8,7 @@ The usual NNX training step (``nnx.Optimizer(model, tx, wrt=nnx.Param)``, then
 ``shard_map`` with the specs jaxcomm gives, ``nnx.merge`` inside the body, update, split back out.
 The only jaxcomm-specific lines are the transformation and the specs.
 
-Two runs on the same batches (a character-level MLP on ``jaxcomm.tools.textdata``):
+Two runs on the same batches (a character-level MLP on ``jaxcomm.cli.textdata``):
 ``optax.chain(jc.compressed_mean("dp", jc.NoCompression()), optax.adam(lr))`` (exact mean of the
 gradients) and ``optax.chain(jc.compressed_mean("dp", warmup_steps=...), optax.adam(lr))``
 (1-bit with error feedback after an exact warm-up), with the bytes each device sends per step
@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
+from jaxcomm.cli.textdata import CharBatches
 from jaxcomm.hlo import wire_bytes
-from jaxcomm.tools.textdata import CharBatches
 
 if "JAX_NUM_CPU_DEVICES" not in os.environ:
     jax.config.update("jax_num_cpu_devices", 8)  # simulated devices; before any computation

@@ -8,7 +8,7 @@ DiLoCo every device trains **its own copy** of the model between syncs, so the m
 per device too (stacked ``(n, ...)``, ``P("dp")``), like the optimizer's per-device leaves. The
 model to evaluate is the outer one, ``jc.diloco_params(optimizer.opt_state)``.
 
-Two runs on the same batches (a character-level MLP on ``jaxcomm.tools.textdata``):
+Two runs on the same batches (a character-level MLP on ``jaxcomm.cli.textdata``):
 
 * ``adam``: ``optax.chain(jc.compressed_mean("dp", jc.NoCompression()), optax.adam(lr))``, an
   fp32 all-reduce of the gradients every step;
@@ -34,8 +34,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
+from jaxcomm.cli.textdata import CharBatches
 from jaxcomm.hlo import wire_bytes
-from jaxcomm.tools.textdata import CharBatches
 
 if "JAX_NUM_CPU_DEVICES" not in os.environ:
     jax.config.update("jax_num_cpu_devices", 8)  # simulated devices; before any computation

@@ -7,7 +7,7 @@ The same NNX training step as ``examples/flax_nnx.py`` (``nnx.Optimizer(model, t
 ``jc.sharded(optax.adamw(lr), "dp", ...)`` keeps on each device the AdamW state of its ``1/n``
 share of the parameters, reduce-scatters the local gradients, updates its shard and all-gathers
 the new parameters. Two runs on the same batches (a character-level MLP on
-``jaxcomm.tools.textdata``):
+``jaxcomm.cli.textdata``):
 
 * ``exact``: fp32 reduce-scatter and all-gather (the same bytes as an fp32 all-reduce; the same
   parameters as plain data-parallel AdamW, to fp32 rounding);
@@ -31,8 +31,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
+from jaxcomm.cli.textdata import CharBatches
 from jaxcomm.hlo import wire_bytes
-from jaxcomm.tools.textdata import CharBatches
 
 if "JAX_NUM_CPU_DEVICES" not in os.environ:
     jax.config.update("jax_num_cpu_devices", 8)  # simulated devices; before any computation

@@ -2,7 +2,7 @@
 
     python examples/optax_shard_map.py [--steps 200]
 
-A character-level MLP language model (``jaxcomm.tools.textdata``: Python's bundled documentation, no
+A character-level MLP language model (``jaxcomm.cli.textdata``: Python's bundled documentation, no
 download) is trained on every device of a 1-D mesh (8 simulated CPU devices unless
 ``JAX_NUM_CPU_DEVICES`` says otherwise), four ways, on the same batches:
 
@@ -33,8 +33,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
+from jaxcomm.cli.textdata import CharBatches
 from jaxcomm.hlo import wire_bytes
-from jaxcomm.tools.textdata import CharBatches
 
 if "JAX_NUM_CPU_DEVICES" not in os.environ:
     jax.config.update("jax_num_cpu_devices", 8)  # simulated devices; before any computation

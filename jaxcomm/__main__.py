@@ -1,5 +1,5 @@
-"""``python -m jaxcomm ARGS``: the ``jaxcomm`` command (:mod:`jaxcomm.tools.cli`)."""
+"""``python -m jaxcomm ARGS``: the ``jaxcomm`` command (:mod:`jaxcomm.cli.main`)."""
 
-from jaxcomm.tools.cli import main
+from jaxcomm.cli.main import main
 
 raise SystemExit(main())

@@ -1,6 +1,6 @@
 """One rank of the 2-process test: ``jc.compressed_pmean`` across real processes over gloo.
 
-Started by ``tests/test_distributed.py`` through :func:`jaxcomm.tools.launch.launch_local`, which
+Started by ``tests/test_distributed.py`` through :func:`jaxcomm.cli.launch.launch_local`, which
 sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``. Each process owns one CPU device; the
 two devices form the mesh axis ``"dp"``. For each compressor and step the rank saves the (full,
 replicated) mean tree and its own new state to ``OUT_DIR/rank{r}.npz``.

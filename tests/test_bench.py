@@ -1,4 +1,4 @@
-"""jaxcomm.tools.bench: compressor registry, sizes, bus factors, rows vs the ring cost model."""
+"""jaxcomm.cli.bench: compressor registry, sizes, bus factors, rows vs the ring cost model."""
 
 import dataclasses
 import inspect
@@ -8,7 +8,7 @@ import pytest
 from conftest import NUM_DEVICES
 
 import jaxcomm as jc
-from jaxcomm.tools import bench
+from jaxcomm.cli import bench
 
 N = NUM_DEVICES
 

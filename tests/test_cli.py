@@ -7,7 +7,7 @@ import pytest
 from conftest import NUM_DEVICES
 from test_distributed import multiprocess
 
-from jaxcomm.tools.cli import main
+from jaxcomm.cli.main import main
 
 N = NUM_DEVICES
 
@@ -84,7 +84,7 @@ def test_help_is_terminal_text(argv, capsys):
         assert markup not in text, (argv, markup)
     if argv == ["bench"]:
         # The columns it documents are the ones it prints (format_rows' headings).
-        from jaxcomm.tools import bench
+        from jaxcomm.cli import bench
 
         heads = bench.format_rows([]).split("  ")
         assert "wire GB/s" in heads and "wire GB/s" in text and "wire bw" not in text
@@ -94,7 +94,7 @@ def test_help_is_terminal_text(argv, capsys):
 
 
 def test_demo_help_lists_methods_and_defaults(capsys):
-    from jaxcomm.tools import demo
+    from jaxcomm.cli import demo
 
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
@@ -108,7 +108,7 @@ def test_demo_help_lists_methods_and_defaults(capsys):
 
 
 def test_demo_refuses_unknown_methods_before_training(capsys, monkeypatch):
-    from jaxcomm.tools import demo
+    from jaxcomm.cli import demo
 
     def no_training(*args, **kwargs):
         raise AssertionError("trained before validating --methods")
@@ -123,7 +123,7 @@ def test_demo_refuses_unknown_methods_before_training(capsys, monkeypatch):
 
 
 def test_demo_without_the_examples_extra_says_what_to_install(capsys, monkeypatch):
-    from jaxcomm.tools import demo
+    from jaxcomm.cli import demo
 
     monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("ran without matplotlib"))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError

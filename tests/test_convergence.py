@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.tools.models import ByteBatches, ByteTransformer
+from jaxcomm.cli.models import ByteBatches, ByteTransformer
 
 N = NUM_DEVICES
 STEPS, FREEZE, LR = 40, 6, 1e-3

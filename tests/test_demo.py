@@ -8,8 +8,8 @@ pytest.importorskip("rich")
 import jax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
-from jaxcomm.tools import demo, demo_report  # noqa: E402
-from jaxcomm.tools.models import ByteBatches  # noqa: E402
+from jaxcomm.cli import demo, demo_report  # noqa: E402
+from jaxcomm.cli.models import ByteBatches  # noqa: E402
 
 
 def zero_one_schedule(steps, freeze, var_scaler, local_scaler, clipper):
@@ -147,7 +147,7 @@ def test_demo_under_jax_distributed_matches_one_process(tmp_path):
     import sys
     from pathlib import Path
 
-    from jaxcomm.tools.launch import launch_local
+    from jaxcomm.cli.launch import launch_local
 
     try:
         with socket.socket() as s:

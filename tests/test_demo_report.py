@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxcomm.tools import demo, demo_report
+from jaxcomm.cli import demo, demo_report
 
 STEPS, WARM = 60, 20
 PER_KIND = {demo.EXACT: 2.0e6, demo.ONEBIT: 6.0e4, demo.LOCAL: 0.0, demo.SHARDED_INT8: 5.0e5}
@@ -127,7 +127,7 @@ def test_plot_keeps_the_axis_on_runs_that_trained(runs, tmp_path):
 def test_demo_command_json_on_stdout_report_on_stderr_files_in_out(tmp_path, capsys):
     pytest.importorskip("flax")
     pytest.importorskip("matplotlib")
-    from jaxcomm.tools.cli import main
+    from jaxcomm.cli.main import main
 
     out = tmp_path / "runs"
     argv = ["demo", "--steps", "4", "--batch", "4", "--warmup-fraction", "0.5"]

@@ -13,7 +13,7 @@ import jaxcomm as jc
 MODULES = sorted(
     m.name
     for m in pkgutil.walk_packages(jaxcomm.__path__, "jaxcomm.")
-    if not m.name.startswith("jaxcomm.tools") and m.name != "jaxcomm.__main__"
+    if not m.name.startswith("jaxcomm.cli") and m.name != "jaxcomm.__main__"
 )
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 

@@ -12,8 +12,8 @@ import pytest
 from test_distributed import multiprocess
 from test_launch import _alive, _env, _launch
 
-from jaxcomm.tools import cli
-from jaxcomm.tools import launch as launch_mod
+from jaxcomm.cli import launch as launch_mod
+from jaxcomm.cli.main import main
 
 pytestmark = multiprocess
 
@@ -220,7 +220,7 @@ def test_shaping_without_root_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     launch_mod.network_shaping_problem.cache_clear()
     try:
-        code = cli.main(["launch", "-n", "2", "--rate", "1gbit", "x.py"])
+        code = main(["launch", "-n", "2", "--rate", "1gbit", "x.py"])
     finally:
         launch_mod.network_shaping_problem.cache_clear()
     assert code == 2

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_distributed import multiprocess
 
-from jaxcomm.tools.launch import network_shaping_problem
+from jaxcomm.cli.launch import network_shaping_problem
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = multiprocess
@@ -194,7 +194,7 @@ def _median_rtt_ms(tmp_path, name, *launch_args):
 
 def test_launch_delay_applies_to_connections_between_ranks(tmp_path):
     """--delay 2ms: a TCP ping-pong between ranks takes >= 2 x 2 ms (netem or the relay)."""
-    from jaxcomm.tools._delay import shim_problem
+    from jaxcomm.cli._delay import shim_problem
 
     if network_shaping_problem(None, "2ms") is not None and shim_problem() is not None:
         pytest.skip(f"no way to add a delay here: {shim_problem()}")
@@ -206,7 +206,7 @@ def test_launch_delay_applies_to_connections_between_ranks(tmp_path):
 
 
 def test_parse_delay():
-    from jaxcomm.tools._delay import parse_delay
+    from jaxcomm.cli._delay import parse_delay
 
     assert parse_delay("1ms") == 1e-3
     assert parse_delay("500us") == 5e-4
@@ -218,8 +218,8 @@ def test_parse_delay():
 
 def test_relay_refuses_like_a_closed_port():
     """Through the relay, connecting to a port nobody listens on fails as it would directly."""
-    from jaxcomm.tools._delay import delay_relay, shim_problem
-    from jaxcomm.tools.launch import find_free_port
+    from jaxcomm.cli._delay import delay_relay, shim_problem
+    from jaxcomm.cli.launch import find_free_port
 
     if shim_problem():
         pytest.skip(shim_problem())

@@ -4,10 +4,10 @@ import subprocess
 import sys
 
 
-def test_import_jaxcomm_loads_no_tool():
+def test_import_jaxcomm_loads_nothing_from_the_cli():
     code = (
         "import sys, jaxcomm\n"
-        "print(','.join(sorted(m for m in sys.modules if m.startswith('jaxcomm.tools'))))\n"
+        "print(','.join(sorted(m for m in sys.modules if m.startswith('jaxcomm.cli'))))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
@@ -76,7 +76,7 @@ def _imports(path: Path):
 
 
 LIBRARY = sorted(
-    p for p in PACKAGE.rglob("*.py") if "tools" not in p.parts and p.name != "__main__.py"
+    p for p in PACKAGE.rglob("*.py") if "cli" not in p.parts and p.name != "__main__.py"
 )
 
 
@@ -86,14 +86,14 @@ def test_every_library_module_has_a_layer():
     assert not missing, f"add these modules to LAYERS and docs/architecture.md: {missing}"
 
 
-def test_library_imports_go_down_the_layers_and_never_into_tools():
+def test_library_imports_go_down_the_layers_and_never_into_the_cli():
     bad = []
     for path in LIBRARY:
         me = _module_name(path)
         mine = _layer(me)
         for target, _ in _imports(path):
-            if target.startswith("jaxcomm.tools"):
-                bad.append(f"{me} imports the tool {target}")
+            if target.startswith("jaxcomm.cli"):
+                bad.append(f"{me} imports the command-line module {target}")
             elif me != "jaxcomm" and mine is not None:
                 theirs = _layer(target)
                 if theirs is not None and theirs > mine:

@@ -1,4 +1,4 @@
-"""jaxcomm.tools._proc.helper_process: the one way the launcher and the relay start helpers."""
+"""jaxcomm.cli._proc.helper_process: the one way the launcher and the relay start helpers."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from jaxcomm.tools._proc import helper_process
+from jaxcomm.cli._proc import helper_process
 
 
 def _python(code):

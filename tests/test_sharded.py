@@ -318,8 +318,8 @@ def test_flax_nnx_sharded_example():
 
 def test_demo_sharded_int8_method(mesh):
     pytest.importorskip("rich")
-    from jaxcomm.tools import demo
-    from jaxcomm.tools.models import ByteBatches
+    from jaxcomm.cli import demo
+    from jaxcomm.cli.models import ByteBatches
 
     cfg = demo.DemoConfig(
         steps=12, batch_per_device=2, width=32, layers=1, eval_every=6, held_out=16,

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from jaxcomm.tools.textdata import CharBatches, build_vocab, encode, load_corpus
+from jaxcomm.cli.textdata import CharBatches, build_vocab, encode, load_corpus
 
 
 def test_windows_predict_the_next_character():

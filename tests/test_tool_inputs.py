@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from jaxcomm.tools import cli
-from jaxcomm.tools._paths import output_problem
+from jaxcomm.cli._paths import output_problem
+from jaxcomm.cli.main import main
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def a_file(tmp_path):
 
 
 def _run(capsys, *argv):
-    code = cli.main(list(argv))
+    code = main(list(argv))
     return code, capsys.readouterr().err
 
 

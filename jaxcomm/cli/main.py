@@ -14,37 +14,12 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
 
-from jaxcomm.tools import bench as _bench_mod
-
-_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :func:`x`, :mod:`~a.b`
-_LITERAL_IN_COLUMN = re.compile(r"``([^`]+)``(?=  )")  # ``x`` followed by column padding
-_LITERAL = re.compile(r"``([^`]+)``|`([^`]+)`")
-
-
-def terminal_text(doc: str | None) -> str:
-    """A reStructuredText docstring as plain terminal text (for ``--help``).
-
-    Roles (``:func:`x```) and literals (````x````) lose their markup, a literal that ends a
-    table cell keeps the column aligned, table rules (``====``) are dropped, and a literal
-    block's ``::`` becomes ``:``.
-    """
-    lines = []
-    for line in (doc or "").strip("\n").splitlines():
-        if line.strip() and set(line.strip()) <= {"=", " "}:
-            continue
-        line = _ROLE.sub(r"\1", line)
-        line = re.sub(r"(?<![\w*])\*([^*\s][^*]*)\*(?![\w*])", r"\1", line)  # *emphasis*
-        line = _LITERAL_IN_COLUMN.sub(lambda m: m.group(1) + "    ", line)
-        line = _LITERAL.sub(lambda m: m.group(1) or m.group(2), line)
-        if line.endswith("::"):
-            line = line[:-1]
-        lines.append(line.rstrip())
-    return "\n".join(lines)
+from jaxcomm.cli import bench as _bench_mod
+from jaxcomm.cli._text import terminal_text
 
 
 def _version() -> str:
@@ -102,7 +77,7 @@ def _add_bench(sub) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from jaxcomm.tools._paths import output_problem
+    from jaxcomm.cli._paths import output_problem
 
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         problem = output_problem(path)
@@ -149,7 +124,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         return 2
     n = rows[0].devices if rows else 0
     if args.procs:
-        from jaxcomm.tools.launch import delay_options
+        from jaxcomm.cli.launch import delay_options
 
         where = f"{args.procs} processes (gloo), {delay_options(args.delay, args.rate)[1]}"
     else:
@@ -274,7 +249,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    from jaxcomm.tools.launch import delay_options, launch_local
+    from jaxcomm.cli.launch import delay_options, launch_local
 
     try:
         argv = _rank_argv(args)
@@ -337,14 +312,14 @@ def _add_demo(sub) -> None:
     )
 
     def run(args):
+        from jaxcomm.cli import demo  # the plot needs matplotlib (the `examples` extra)
         from jaxcomm.runtime import backends_initialized, configure_host_allocator
-        from jaxcomm.tools import demo  # the plot needs matplotlib (the `examples` extra)
 
         if not backends_initialized():  # XLA:CPU steps without page faults (see there)
             configure_host_allocator()
         return demo.main_from_args(args)
 
-    from jaxcomm.tools.demo import add_arguments
+    from jaxcomm.cli.demo import add_arguments
 
     add_arguments(p)
     p.set_defaults(run=run)

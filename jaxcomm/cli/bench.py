@@ -34,7 +34,7 @@ subclass that ``jaxcomm`` exports, under its lower-cased class name (``onebit``,
 
 In-process (default), the devices are ``--devices`` simulated CPU devices (or the real GPUs/TPUs)
 of one process. With ``--procs N`` the bench starts ``N`` processes of one CPU device each,
-wired through :func:`jaxcomm.tools.launch.launch_local` (gloo over TCP), optionally on a loopback
+wired through :func:`jaxcomm.cli.launch.launch_local` (gloo over TCP), optionally on a loopback
 shaped with ``--rate``/``--delay`` (root); times are then the slowest
 rank's, each run after a barrier.
 """
@@ -549,13 +549,13 @@ def _multi_process(
     timeout: float,
     echo: bool,
 ) -> list[BenchRow]:
-    from jaxcomm.tools.launch import LaunchError, delay_options, launch_local
+    from jaxcomm.cli.launch import LaunchError, delay_options, launch_local
 
     if procs < 2:
         raise ValueError("jaxcomm bench: --procs must be >= 2")
     shaping, _ = delay_options(delay, rate)
     with tempfile.TemporaryDirectory(prefix="jaxcomm-bench-") as out:
-        worker = ["-m", "jaxcomm.tools.bench", "--worker", out, json.dumps(asdict(config))]
+        worker = ["-m", "jaxcomm.cli.bench", "--worker", out, json.dumps(asdict(config))]
         argv = [sys.executable, *worker]
         xla_flags = " ".join(
             f

@@ -2,7 +2,7 @@
 
 Used by the examples, ``benchmarks/diloco_convergence.py`` and ``benchmarks/onebit_lamb.py``
 (``jaxcomm demo`` and ``benchmarks/convergence.py`` use the unfiltered byte corpus of
-:mod:`jaxcomm.tools.models`): a character-level language model on about 465k characters of
+:mod:`jaxcomm.cli.models`): a character-level language model on about 465k characters of
 Python documentation, with a held-out split, and nothing to download.
 
 The vocabulary is the characters that occur at least ``min_count`` times in the training split,

@@ -11,7 +11,7 @@ Optionally all ranks share one private network namespace whose loopback is shape
 slow cluster network. That needs root, ``unshare``, ``nsenter``, ``ip`` and ``tc``;
 :func:`can_shape_network` says whether it works here. Where the kernel lacks ``netem``
 (containers, gVisor), ``relay_delay`` adds a link delay without root: the ranks' TCP connections
-go through a userspace relay that delivers every byte that much later (:mod:`jaxcomm.tools._delay`);
+go through a userspace relay that delivers every byte that much later (:mod:`jaxcomm.cli._delay`);
 :func:`delay_options` picks netem when it works, else the relay.
 
 Multi-node runs do not use this module: start one process per host with SLURM (``srun``),
@@ -19,7 +19,7 @@ Multi-node runs do not use this module: start one process per host with SLURM (`
 
 Example::
 
-  from jaxcomm.tools.launch import launch_local
+  from jaxcomm.cli.launch import launch_local
   result = launch_local(2, [sys.executable, "train.py"], timeout=120)
   result.check()          # raises LaunchError naming the failed rank
   print(result.output)    # "[rank 0] ..." lines, in arrival order
@@ -42,7 +42,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from jaxcomm.tools._proc import helper_process, pdeathsig_prefix, terminate
+from jaxcomm.cli._proc import helper_process, pdeathsig_prefix, terminate
 
 __all__ = [
     "LaunchError",
@@ -296,7 +296,7 @@ def delay_options(delay: str | None, rate: str | None = None) -> tuple[dict[str,
     """:func:`launch_local` keyword arguments for a link ``delay`` (and ``rate``), and a label.
 
     ``tc netem`` where it works (root, ``sch_netem``), else the userspace relay of
-    :mod:`jaxcomm.tools._delay`. A ``rate`` always needs ``tc tbf`` (root).
+    :mod:`jaxcomm.cli._delay`. A ``rate`` always needs ``tc tbf`` (root).
 
     Raises:
       RuntimeError: neither way works here, or the rate cannot be shaped.
@@ -311,7 +311,7 @@ def delay_options(delay: str | None, rate: str | None = None) -> tuple[dict[str,
             opts["netns_delay"] = delay
             labels.append(f"delay {delay} one way (tc netem)")
         else:
-            from jaxcomm.tools._delay import parse_delay, shim_problem
+            from jaxcomm.cli._delay import parse_delay, shim_problem
 
             parse_delay(delay)  # a clear ValueError for a bad value
             relay = shim_problem()
@@ -404,7 +404,7 @@ def launch_local(
 
     With ``relay_delay``, the ranks' TCP connections (all but the coordinator's) go through a
     userspace relay that forwards every byte ``relay_delay`` later, in both directions
-    (:mod:`jaxcomm.tools._delay`): a link delay where ``netem`` is unavailable, needing no root. It
+    (:mod:`jaxcomm.cli._delay`): a link delay where ``netem`` is unavailable, needing no root. It
     combines with ``netns_rate`` (the relay then runs inside the namespace).
 
     Args:
@@ -460,7 +460,7 @@ def launch_local(
         if netns_rate or netns_delay:
             prefix = stack.enter_context(shaped_network(netns_rate, netns_delay, netns_burst))
         if relay_delay:
-            from jaxcomm.tools._delay import delay_relay
+            from jaxcomm.cli._delay import delay_relay
 
             relay_env = stack.enter_context(
                 delay_relay(relay_delay, skip_ports=(port,), prefix=prefix)

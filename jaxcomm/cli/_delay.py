@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from jaxcomm.tools._proc import helper_process
+from jaxcomm.cli._proc import helper_process
 
 _SHIM_C = r"""
 #define _GNU_SOURCE
@@ -274,7 +274,7 @@ def delay_relay(
 
     shim = build_shim()
     with helper_process(
-        [*prefix, sys.executable, "-m", "jaxcomm.tools._delay", str(seconds)],
+        [*prefix, sys.executable, "-m", "jaxcomm.cli._delay", str(seconds)],
         ready=str.isdigit,  # the relay prints its port once it listens
         error=lambda _: RuntimeError("the delay relay did not start"),
         startup_timeout=startup_timeout,
@@ -287,5 +287,5 @@ def delay_relay(
         }
 
 
-if __name__ == "__main__":  # python -m jaxcomm.tools._delay SECONDS
+if __name__ == "__main__":  # python -m jaxcomm.cli._delay SECONDS
     serve(0, float(sys.argv[1]))

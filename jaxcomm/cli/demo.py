@@ -1,6 +1,6 @@
 """``jaxcomm demo``: train one language model data-parallel with each optimizer and compare.
 
-A byte-level transformer LM (:mod:`jaxcomm.tools.models`: token + position embeddings, 2
+A byte-level transformer LM (:mod:`jaxcomm.cli.models`: token + position embeddings, 2
 pre-LayerNorm blocks with a fused ``qkv`` bias, 4 heads, 0.135M parameters; the full 256-byte
 vocabulary, unfiltered, so rare bytes' embedding rows and the key part of the ``qkv`` bias get
 (near) zero gradient) is trained on the source of ten Python standard-library modules (no
@@ -56,7 +56,7 @@ class DemoConfig:
     devices: int = 8
     batch_per_device: int = 8
     context: int = 32
-    #: the transformer (:class:`jaxcomm.tools.models.ByteTransformer`)
+    #: the transformer (:class:`jaxcomm.cli.models.ByteTransformer`)
     width: int = 64
     heads: int = 4
     layers: int = 2
@@ -111,7 +111,7 @@ class RunResult:
 
 def make_model(cfg: DemoConfig):
     """The byte-level transformer LM of ``cfg`` (parameters: ``make_model(cfg).init(cfg.seed)``)."""
-    from jaxcomm.tools.models import ByteTransformer
+    from jaxcomm.cli.models import ByteTransformer
 
     return ByteTransformer(
         context=cfg.context, width=cfg.width, heads=cfg.heads, layers=cfg.layers
@@ -293,7 +293,7 @@ def wire_bytes_per_kind(
 
 
 def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], None] | None = None):
-    """Train one model with ``method`` on ``data`` (a :class:`~jaxcomm.tools.models.ByteBatches`);
+    """Train one model with ``method`` on ``data`` (a :class:`~jaxcomm.cli.models.ByteBatches`);
     returns a :class:`RunResult`."""
     import jax
     import jax.numpy as jnp
@@ -385,9 +385,9 @@ def summarize(
     """Rows of the final table: losses, accuracy, traffic and its ratio to the baseline.
 
     A run that diverged gets ``diverged`` (step, what, likely cause) and no ratios
-    (:func:`jaxcomm.tools.demo_report.annotate`); ``warmup_steps`` dates the cause.
+    (:func:`jaxcomm.cli.demo_report.annotate`); ``warmup_steps`` dates the cause.
     """
-    from jaxcomm.tools import demo_report
+    from jaxcomm.cli import demo_report
 
     rows = []
     for r in results:
@@ -416,8 +416,8 @@ def plot(
     warmup_steps: int | None = None,
 ) -> list[str]:
     """Held-out loss against step and against cumulative bytes (PNG); returns notes on the runs
-    that diverged (cut at the step they diverged, see :func:`jaxcomm.tools.demo_report.plot`)."""
-    from jaxcomm.tools import demo_report
+    that diverged (cut at the step they diverged, see :func:`jaxcomm.cli.demo_report.plot`)."""
+    from jaxcomm.cli import demo_report
 
     return demo_report.plot(results, bytes_per_kind, path, warmup_steps=warmup_steps)[0]
 
@@ -436,8 +436,8 @@ def run(
     from rich.console import Console
     from rich.progress import Progress
 
-    from jaxcomm.tools import demo_report
-    from jaxcomm.tools.models import ByteBatches
+    from jaxcomm.cli import demo_report
+    from jaxcomm.cli.models import ByteBatches
 
     if jax.process_count() > 1:
         n = len(jax.devices())  # every process's devices
@@ -575,7 +575,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         print(f"jaxcomm demo: {e}", file=sys.stderr)
         return 2
     plot_path = os.path.join(args.out, "demo.png") if args.plot is None else args.plot
-    from jaxcomm.tools._paths import output_problem
+    from jaxcomm.cli._paths import output_problem
 
     for flag, path, is_dir in (("--out", args.out, True), ("--json", args.json, False),
                                ("--plot", plot_path, False)):  # fmt: skip
@@ -622,7 +622,7 @@ def main_from_args(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from jaxcomm.tools.cli import terminal_text
+    from jaxcomm.cli._text import terminal_text
 
     parser = argparse.ArgumentParser(prog="jaxcomm demo", description=terminal_text(__doc__))
     add_arguments(parser)

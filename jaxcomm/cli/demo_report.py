@@ -398,11 +398,11 @@ def markdown_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m jaxcomm.tools.demo_report runs/demo.json
+if __name__ == "__main__":  # python -m jaxcomm.cli.demo_report runs/demo.json
     import json
     import sys
 
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m jaxcomm.tools.demo_report DEMO_JSON  (from jaxcomm demo --json)")
+        sys.exit("usage: python -m jaxcomm.cli.demo_report DEMO_JSON  (from jaxcomm demo --json)")
     with open(sys.argv[1]) as f:
         print(markdown_table(json.load(f)))

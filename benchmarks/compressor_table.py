@@ -8,7 +8,7 @@ fixed ``g ~ N(0, 1)`` (the "signal" a gradient keeps) and fresh ``xi ~ N(0, 1)``
 Columns:
 
 * wire ratio: bytes per device of fp32 ``lax.pmean`` over the compressor's, both read from the
-  compiled HLO (:func:`jaxcomm.hlo.wire_bytes`);
+  compiled HLO (:func:`jaxcomm.inspect.wire_bytes`);
 * one step: ``||out_1 - mean_1|| / ||mean_1||`` from a zero state;
 * 100-step average: ``||avg_t out_t - avg_t mean_t|| / ||avg_t mean_t||`` with the state
   threaded (error feedback, where the compressor has it, is what drives this to 0);
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm as jc
-    from jaxcomm.hlo import wire_bytes
+    from jaxcomm.inspect import wire_bytes
 
     n = args.devices
     mesh = jax.make_mesh((n,), ("dp",), axis_types=(AxisType.Auto,))

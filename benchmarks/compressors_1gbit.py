@@ -10,7 +10,7 @@ Timing: 2 warm-up calls per method, then ``--repeats`` rounds that time one call
 method in turn (so load bursts on a shared machine hit all methods alike), each call preceded
 by a barrier (a tiny cross-process psum, timed too) so that both ranks start together; a
 call's time is the slower rank's, and the table shows medians. Bytes on the wire per device
-are read from the compiled HLO (:func:`jaxcomm.hlo.wire_bytes`).
+are read from the compiled HLO (:func:`jaxcomm.inspect.wire_bytes`).
 
 Usage (needs root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped loopback)::
 
@@ -105,7 +105,7 @@ def _worker(args: argparse.Namespace) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm as jc
-    from jaxcomm.hlo import wire_bytes
+    from jaxcomm.inspect import wire_bytes
     from jaxcomm.runtime import init_distributed
 
     info = init_distributed("gloo", initialization_timeout=120)

@@ -146,7 +146,7 @@ def methods(cfg: argparse.Namespace, axis: str) -> dict:
 def bytes_per_kind(mesh, axis: str, params, bucket_bytes) -> dict[str, float]:
     """Bytes per device of one mean of a parameter-shaped fp32 tree, per compressor (HLO)."""
     import jaxcomm as jc
-    from jaxcomm.cli.demo import mean_wire_bytes
+    from jaxcomm.inspect import mean_wire_bytes
 
     comps = {
         EXACT: jc.NoCompression(),

@@ -13,7 +13,7 @@ data-parallel on 8 simulated CPU devices:
 * ``streaming``: the same with ``fragments=F, overlap_steps=tau`` (int4 + error feedback).
 
 Held-out loss is that of the outer parameters (``jc.diloco_params``) for DiLoCo. Bytes are per
-device, read from the compiled HLO (``jaxcomm.hlo.wire_bytes``) of one reduction of each
+device, read from the compiled HLO (``jaxcomm.inspect.wire_bytes``) of one reduction of each
 fragment's leaves (and of the exact gradient mean for Adam), times the number of reductions the
 run made. Usage (CPU-heavy: run it under the shared lock)::
 
@@ -96,7 +96,7 @@ def compressor(name: str):
 def reduction_bytes(mesh, axis: str, leaves, comp) -> float:
     """Bytes per device of one ``compressed_pmean`` of ``leaves`` (fp32), from the HLO."""
     import jaxcomm as jc
-    from jaxcomm.cli.demo import mean_wire_bytes
+    from jaxcomm.inspect import mean_wire_bytes
 
     return mean_wire_bytes(mesh, axis, list(leaves), jc.NoCompression() if comp is None else comp)
 

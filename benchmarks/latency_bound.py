@@ -79,7 +79,7 @@ def _worker(args) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm as jc
-    from jaxcomm.hlo import collectives_in_hlo
+    from jaxcomm.inspect import collectives_in_hlo
 
     info = jc.init_distributed("gloo", initialization_timeout=120)
     rank, n = info.process_id, info.num_processes

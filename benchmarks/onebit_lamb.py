@@ -9,7 +9,7 @@ offline) data-parallel on 8 simulated CPU devices, on the same batches, with
   same algorithm without compression error (frozen trust ratios, correction factor);
 * ``onebit_lamb``: ``jc.onebit_lamb(lr, freeze_step=warmup, axis_name="dp")``.
 
-Bytes per device per step are read from the compiled HLO (:func:`jaxcomm.hlo.wire_bytes`).
+Bytes per device per step are read from the compiled HLO (:func:`jaxcomm.inspect.wire_bytes`).
 Both stages of ``onebit_lamb`` are compiled into one program (``lax.cond``): warm-up steps send
 what the exact step sends, compressed steps the rest. Totals count every step, warm-up
 included. Held-out metrics are on 4,096 fixed held-out windows.
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jaxcomm as jc
     from jaxcomm.cli.textdata import CharBatches
-    from jaxcomm.hlo import wire_bytes
+    from jaxcomm.inspect import wire_bytes
 
     steps, lr = args.steps, args.lr
     warm = max(1, steps // 5) if args.warmup is None else args.warmup

@@ -17,7 +17,7 @@ Timing: 2 warm-up steps per method, then ``--repeats`` rounds that time one step
 method in turn, each preceded by a barrier (a tiny cross-process psum) so that both ranks start
 together; a step's time is the slower rank's; the table shows medians and the speedup against
 ``fp32`` of the same run. Bytes on the wire per device per step come from the compiled HLO
-(:func:`jaxcomm.hlo.wire_bytes`); optimizer-state bytes per device from the arrays.
+(:func:`jaxcomm.inspect.wire_bytes`); optimizer-state bytes per device from the arrays.
 
 Usage (root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped loopback)::
 
@@ -95,7 +95,7 @@ def _worker(args: argparse.Namespace) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm as jc
-    from jaxcomm.hlo import wire_bytes
+    from jaxcomm.inspect import wire_bytes
     from jaxcomm.runtime import init_distributed
 
     info = init_distributed("gloo", initialization_timeout=120)

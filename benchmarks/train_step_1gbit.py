@@ -52,7 +52,7 @@ rounds of its own, after the others: interleaved, its 1.2 s steps (mostly waitin
 made every compressed method timed after it in the same round 10-20% slower on the 2-core VM
 this was written on (1-bit Adam phased 1.44x -> 1.22x of local + wire, ``onebit_lamb`` 362 ->
 298 ms, with ``exact`` left out of the rounds), though a user's process runs one method. Bytes
-on the wire per device per step come from the compiled HLO (``jaxcomm.hlo.wire_bytes``).
+on the wire per device per step come from the compiled HLO (``jaxcomm.inspect.wire_bytes``).
 
 Usage (root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped loopback)::
 
@@ -339,7 +339,7 @@ def _worker(args: argparse.Namespace) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm as jc
-    from jaxcomm.hlo import wire_bytes
+    from jaxcomm.inspect import wire_bytes
 
     info = jc.init_distributed("gloo", initialization_timeout=120)
     rank, n = info.process_id, info.num_processes

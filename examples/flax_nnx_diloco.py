@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
 from jaxcomm.cli.textdata import CharBatches
-from jaxcomm.hlo import wire_bytes
+from jaxcomm.inspect import wire_bytes
 
 if "JAX_NUM_CPU_DEVICES" not in os.environ:
     jax.config.update("jax_num_cpu_devices", 8)  # simulated devices; before any computation

@@ -16,7 +16,7 @@ download) is trained on every device of a 1-D mesh (8 simulated CPU devices unle
    helpers: what ``jc.make_train_step`` does for you. It gives the same parameters bit for bit.
 
 Each step is compiled once and the bytes each device sends per step are read from the compiled
-HLO (``jaxcomm.hlo.wire_bytes``), not timed. (``onebit_adam`` has no bias correction by default,
+HLO (``jaxcomm.inspect.wire_bytes``), not timed. (``onebit_adam`` has no bias correction by default,
 as DeepSpeed: at the same learning rate its early steps are larger than ``optax.adam``'s.)
 """
 
@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
 from jaxcomm.cli.textdata import CharBatches
-from jaxcomm.hlo import wire_bytes
+from jaxcomm.inspect import wire_bytes
 
 if "JAX_NUM_CPU_DEVICES" not in os.environ:
     jax.config.update("jax_num_cpu_devices", 8)  # simulated devices; before any computation

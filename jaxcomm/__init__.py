@@ -13,7 +13,6 @@ from jaxcomm.collectives import (
     init_state,
     shard_shapes,
 )
-from jaxcomm.comms_report import CommsReport, comms_report
 from jaxcomm.compressors import (
     Cast,
     Compressor,
@@ -31,12 +30,8 @@ from jaxcomm.compressors import (
     TwoStageScatterState,
     TwoStageState,
 )
-from jaxcomm.hierarchical import (
-    hierarchical_pmean,
-    hierarchical_psum,
-    init_hierarchical_state,
-    wire_bytes_by_axes,
-)
+from jaxcomm.hierarchical import hierarchical_pmean, hierarchical_psum, init_hierarchical_state
+from jaxcomm.inspect import CommsReport, comms_report, wire_bytes_by_axes
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
 from jaxcomm.optim.diloco import diloco
 from jaxcomm.optim.diloco_state import (

@@ -10,8 +10,8 @@ nothing, so, as Horovod's hierarchical all-reduce and ZeRO++'s hierarchical part
 
 Only step 2 crosses the slow axis, carrying ``1/L`` of the tree in compressed form: per device
 ``2 (S-1)/S * |shard|_compressed`` instead of ``2 (S L - 1)/(S L) * |tree|_fp32`` for a flat
-fp32 all-reduce over all ``S L`` devices. :func:`wire_bytes_by_axes` reads the split from the
-compiled HLO.
+fp32 all-reduce over all ``S L`` devices. :func:`jaxcomm.wire_bytes_by_axes` reads the split from
+the compiled HLO.
 
 The state is one device's error feedback for its shard tree (:func:`init_hierarchical_state`);
 it differs per local rank, so it is sharded over both axes (``P(("node", "local"))`` of the
@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxcomm._compat import bound_axis_size
 from jaxcomm.collectives import (
@@ -39,7 +38,6 @@ from jaxcomm.collectives import (
     shard_shapes,
 )
 from jaxcomm.compressors import Compressor, NoCompression
-from jaxcomm.hlo import collectives_in_hlo, replica_groups
 
 PyTree = Any
 
@@ -171,28 +169,3 @@ def hierarchical_pmean(
         bucket_bytes=bucket_bytes,
         mean=True,
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Which mesh axes each collective crosses, from the compiled HLO.
-# --------------------------------------------------------------------------------------------
-
-def wire_bytes_by_axes(text: str, mesh: jax.sharding.Mesh) -> dict[tuple[str, ...], float]:
-    """Bytes each device sends, keyed by the mesh axes its collectives' groups span.
-
-    Device ids in the HLO are positions in ``mesh.devices.flat`` (one replica, SPMD partitions);
-    a group spans axis ``a`` when its members differ in their ``a`` coordinate. On a
-    ``("node", "local")`` mesh, ``result[("node",)]`` is what crosses the slow axis alone.
-    """
-    shape = mesh.devices.shape
-    names = tuple(mesh.axis_names)
-    out: dict[tuple[str, ...], float] = {}
-    for op in collectives_in_hlo(text):
-        groups = replica_groups(op.line, int(np.prod(shape)))
-        spanned = set()
-        for group in groups:
-            coords = np.array(np.unravel_index(np.array(group), shape))  # (ndim, members)
-            spanned |= {names[a] for a in range(len(shape)) if len(set(coords[a])) > 1}
-        key = tuple(n for n in names if n in spanned)
-        out[key] = out.get(key, 0.0) + op.wire_bytes
-    return out

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
 from jaxcomm.compressors import pack_int4, quantize_blocks, unpack_int4
-from jaxcomm.hlo import collectives_in_hlo, wire_bytes
+from jaxcomm.inspect import collectives_in_hlo, wire_bytes
 
 N = NUM_DEVICES
 

@@ -9,7 +9,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.hlo import collectives_in_hlo, wire_bytes
+from jaxcomm.inspect import collectives_in_hlo, wire_bytes
 
 N = NUM_DEVICES
 
@@ -133,7 +133,7 @@ def _smap(mesh, body, in_specs, out_specs):
 
 
 def test_comms_report_counts_and_bytes_match_the_hlo(mesh):
-    from jaxcomm.hlo import compiled_text
+    from jaxcomm.inspect import compiled_text
 
     numel = 1 << 14
     comp = jc.OneBit()
@@ -190,7 +190,7 @@ def test_comms_report_flags_what_xla_widened(mesh):
 
 
 def test_report_from_hlo_rules():
-    from jaxcomm.comms_report import report_from_hlo
+    from jaxcomm.inspect import report_from_hlo
 
     def line(dtype, numel):
         return (
@@ -213,7 +213,7 @@ def test_report_from_hlo_rules():
 
 def test_compiled_buckets_are_independent_chains(mesh):
     """In the compiled program, each bucket's collectives read only that bucket's inputs."""
-    from jaxcomm.hlo import collective_dependencies, compiled_text
+    from jaxcomm.inspect import collective_dependencies, compiled_text
 
     tree = {"a": jax.ShapeDtypeStruct((4096,), jnp.float32)} | {
         "b": jax.ShapeDtypeStruct((4096,), jnp.float32)

@@ -31,8 +31,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jaxcomm"
 LAYERS = {
     "jaxcomm._compat": 0,
     "jaxcomm.layout": 0,
-    "jaxcomm.hlo": 0,
-    "jaxcomm.comms_report": 0,
     "jaxcomm.runtime": 0,
     "jaxcomm.phases": 0,
     "jaxcomm.compressors": 1,
@@ -41,6 +39,7 @@ LAYERS = {
     "jaxcomm.hierarchical": 4,
     "jaxcomm.backend": 4,
     "jaxcomm.resize": 4,
+    "jaxcomm.inspect": 4,
     "jaxcomm.optim": 5,
     "jaxcomm.parallel": 5,
     "jaxcomm.reshard": 6,

@@ -8,7 +8,7 @@ import pytest
 from conftest import NUM_DEVICES
 
 import jaxcomm as jc
-from jaxcomm.hlo import collectives_in_hlo
+from jaxcomm.inspect import collectives_in_hlo
 from jaxcomm.phases import fixed_phases, record_phases
 
 N = NUM_DEVICES

@@ -10,7 +10,7 @@ from quantize_reference import dequantize, layout, quantize
 from test_examples import EPS32, assert_params_close
 
 import jaxcomm as jc
-from jaxcomm.hlo import collectives_in_hlo, wire_bytes
+from jaxcomm.inspect import collectives_in_hlo, wire_bytes
 from jaxcomm.optim.sharded import ShardedState, shard_of
 
 N = NUM_DEVICES

@@ -352,7 +352,7 @@ def _measure_rows(config: BenchConfig, mesh, to_global, barrier) -> list[dict]:
     import jax
     import numpy as np
 
-    from jaxcomm.comms_report import report_from_hlo, requested_collectives
+    from jaxcomm.inspect import report_from_hlo, requested_collectives
 
     n = mesh.devices.size
     results = []

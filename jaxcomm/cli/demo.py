@@ -23,7 +23,7 @@ a parameter-shaped tree), a *1-bit* step (``OneBit`` mean of such a tree), a *lo
 (no communication), an *int4 sync* (DiLoCo's ``Quantize(bits=4, error_feedback=True)`` mean of
 the parameter-shaped outer gradient) or ``sharded_int8``'s step (an int8 reduce-scatter of the
 gradients and an int8 all-gather of the parameters). The bytes per device of each kind are read
-from the compiled HLO of its collectives on this mesh (:mod:`jaxcomm.hlo`); each optimizer's
+from the compiled HLO of its collectives on this mesh (:mod:`jaxcomm.inspect`); each optimizer's
 kind of every step is read from its state's counters, so the totals follow what the run did.
 """
 
@@ -226,7 +226,7 @@ def _sharded_int8_bytes(mesh, axis: str, params, bucket_bytes: int | None) -> fl
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from jaxcomm.hlo import wire_bytes
+    from jaxcomm.inspect import wire_bytes
 
     tx = _sharded_int8(optax.identity(), axis, bucket_bytes)
     tree = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
@@ -241,38 +241,6 @@ def _sharded_int8_bytes(mesh, axis: str, params, bucket_bytes: int | None) -> fl
     return wire_bytes(fn.lower(grads, tree).compile().as_text())
 
 
-def mean_wire_bytes(mesh, axis: str, tree, compressor, bucket_bytes: int | None = None) -> float:
-    """Bytes per device on the wire of one ``jc.compressed_pmean`` of an fp32 tree shaped like
-    ``tree`` (a pytree of arrays or shape structs), inside ``shard_map`` over ``axis``, read
-    from the compiled HLO. The benchmarks' traffic columns use it too."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
-    import jaxcomm as jc
-    from jaxcomm.hlo import wire_bytes
-
-    n = mesh.shape[axis]
-    local = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32), tree)
-    glob = jax.tree.map(lambda p: jax.ShapeDtypeStruct((n, *p.shape), jnp.float32), local)
-    state = jc.init_state(compressor, local, axis_size=n, bucket_bytes=bucket_bytes)
-    g_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), state)
-
-    def body(t, s):
-        t, s = jax.tree.map(lambda x: x[0], (t, s))
-        if not jax.tree.leaves(s):
-            s = None
-        out, s = jc.compressed_pmean(
-            t, s, axis_name=axis, compressor=compressor, bucket_bytes=bucket_bytes
-        )
-        return out, jax.tree.map(lambda x: x[None], s)
-
-    fn = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P(axis)))
-    )
-    return wire_bytes(fn.lower(glob, g_state).compile().as_text())
-
-
 def wire_bytes_per_kind(
     mesh, axis: str, params, bucket_bytes: int | None, methods: tuple[str, ...] = METHODS
 ) -> dict[str, float]:
@@ -280,6 +248,7 @@ def wire_bytes_per_kind(
     ``methods`` use them) of an int4 (error feedback) mean and of a ``sharded_int8`` step
     (HLO)."""
     import jaxcomm as jc
+    from jaxcomm.inspect import mean_wire_bytes
 
     out = {LOCAL: 0.0}
     kinds = [(EXACT, jc.NoCompression()), (ONEBIT, jc.OneBit())]

@@ -1,8 +1,8 @@
 """``jc.comms_report``: what a program asked to communicate against what XLA compiled.
 
 The requested side walks the jaxpr (:func:`requested_collectives`); the compiled side reads the
-HLO (:mod:`jaxcomm.hlo`). A report flags collectives that XLA widened (e.g. a compressed payload
-that became f32) or that appeared without being asked for.
+HLO (:mod:`jaxcomm.inspect.hlo`). A report flags collectives that XLA widened (e.g. a compressed
+payload that became f32) or that appeared without being asked for.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxcomm.hlo import DTYPE_BYTES, CollectiveOp, collectives_in_hlo, num_devices
+from jaxcomm.inspect.hlo import DTYPE_BYTES, CollectiveOp, collectives_in_hlo, num_devices
 
 # Map from jaxpr collective primitives to the HLO opcode they lower to.
 _PRIMITIVE_OPS = (
@@ -194,7 +194,7 @@ def report_from_hlo(
     """:class:`CommsReport` of HLO text; ``requested`` as from :func:`requested_collectives`."""
     expect_name = None if expect is None else _hlo_dtype(expect)
     if expect_name is not None and expect_name not in DTYPE_BYTES:
-        raise ValueError(f"jaxcomm.hlo: unknown expected dtype {expect!r}")
+        raise ValueError(f"jaxcomm.inspect: unknown expected dtype {expect!r}")
     requested = requested or {}
     ops = collectives_in_hlo(text)
     groups: dict[tuple[str, str], list] = {}

@@ -158,7 +158,7 @@ def _entry_instructions(text: str) -> dict[str, tuple[str, list[str], str]]:
     lines = text.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.startswith("ENTRY")), None)
     if start is None:
-        raise ValueError("jaxcomm.hlo: no ENTRY computation in this HLO text")
+        raise ValueError("jaxcomm.inspect: no ENTRY computation in this HLO text")
     out: dict[str, tuple[str, list[str], str]] = {}
     for line in lines[start + 1 :]:
         if line.strip() == "}":

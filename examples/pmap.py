@@ -117,7 +117,8 @@ def main(steps: int = 200, warmup: int | None = None, log=print) -> dict:
     results["onebit_adam, by hand"] = run(step, carry, batches, "onebit_adam, by hand", log)
     # The library's step: state = TrainState(params, opt_state), every leaf stacked (n, ...).
     # step(state, global_batch) splits the batch itself; step.pmapped takes it split.
-    step, state = jc.make_pmap_train_step(axis, loss_fn, onebit, params)
+    # One pmap for both stages, as the hand-written step (the default: one per stage).
+    step, state = jc.make_pmap_train_step(axis, loss_fn, onebit, params, specialize_phases=False)
     (state,), losses, b = run(step.pmapped, (state,), batches, "onebit_adam", log)
     results["onebit_adam"] = ([state.params, state.opt_state], losses, b)
 

@@ -53,6 +53,8 @@ from jaxcomm.state import (
     per_device_types,
 )
 from jaxcomm.state import register_per_device_type as register_per_device_type
+from jaxcomm.train.placement import place_batch
+from jaxcomm.train.step import DEFAULT_MAX_IN_FLIGHT, TrainStep
 
 PyTree = Any
 
@@ -220,8 +222,17 @@ def params_of(state: TrainState, device: int = 0, *, pmap: bool = False) -> PyTr
     """One copy of the parameters (for evaluation, export): device ``device``'s copy where they
     are per device or stacked (``pmap=True`` for a pmap-layout state)."""
     if pmap or params_are_per_device(state.opt_state):
-        return jax.tree.map(lambda x: x[device], state.params)
+        return jax.tree.map(lambda x: _row(x, device), state.params)
     return state.params
+
+
+def _row(x, index: int):
+    """``x[index]``, replicated on ``x``'s mesh when ``x`` is split over one (an Explicit-axis
+    mesh needs the result's sharding spelled out)."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        return x.at[index].get(out_sharding=NamedSharding(sharding.mesh, P()))
+    return x[index]
 
 
 def _split_batch_spec(axis_name: str, batch: PyTree) -> PyTree:
@@ -307,8 +318,9 @@ def make_train_step(
     has_aux: bool = False,
     donate: bool = True,
     check_vma: bool = True,
-    specialize_phases: bool = False,
-) -> tuple[Callable, TrainState]:
+    specialize_phases: bool = True,
+    max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
+) -> tuple[TrainStep, TrainState]:
     """A jitted ``shard_map`` data-parallel train step and its initial state.
 
     Args:
@@ -330,20 +342,23 @@ def make_train_step(
       specialize_phases: compile each phase of ``tx``'s schedule as its own program and pick
         it on the host per step (a :class:`jaxcomm.phases.PhasedStep`): the warm-up and the
         compressed steps of ``jc.onebit_adam`` / ``jc.onebit_lamb`` / ``jc.compressed_mean``,
-        0/1 Adam's four kinds of step, DiLoCo's inner and synchronising steps. Same results
-        up to fp32 rounding; faster steps (no ``lax.cond`` / ``lax.switch`` left in the
-        program: measured in ``benchmarks/train_step_1gbit.py``, a 0/1 Adam local step 159 ->
-        87 ms, a 1-bit Adam compressed step 209 -> 199 ms), one compile per phase seen, and
-        each call waits for its input state (a small probe reads the step count). Off: one
-        program.
+        0/1 Adam's four kinds of step, DiLoCo's inner and synchronising steps. Same results up
+        to fp32 rounding, no ``lax.cond`` / ``lax.switch`` left in the program (whose
+        pass-through copies and per-phase selects every step would pay), one compile per phase
+        seen. Each call reads the phase of its input state first (a few scalar ops), so the
+        host runs at most one step ahead. ``False``: one program for every phase.
+      max_in_flight: how many steps the host may dispatch ahead of the device before a call
+        waits for the oldest (``None``: no bound). See :class:`jaxcomm.train.TrainStep`.
 
     Returns:
-      ``(step, state)``: ``step(state, batch) -> (state, metrics)`` where ``batch`` is the
-      global batch (leading axis split over ``axis_name``) and ``metrics`` the mean loss over
+      ``(step, state)``: ``step(state, batch) -> (state, metrics)`` (a
+      :class:`jaxcomm.train.TrainStep`) where ``batch`` is the global batch: NumPy arrays or
+      any ``jax.Array``s whose leading axis is split over ``axis_name`` (placed by the step;
+      with several processes, each passes its own rows), and ``metrics`` the mean loss over
       devices (``(loss, aux)`` with ``has_aux``); ``state`` is the initial :class:`TrainState`
       in the global layout (see the module docstring), placed on ``mesh``.
-      ``step`` is a ``jax.jit`` function: ``step.lower(state, batch).compile().as_text()``
-      gives the HLO for :mod:`jaxcomm.hlo`.
+      ``step.lower(state, batch).compile().as_text()`` gives the HLO of the program that state
+      runs. Works on Explicit-axis meshes (``jax.make_mesh``'s default) and Auto ones.
     """
     state = init_train_state(mesh, axis_name, tx, params)
 
@@ -377,8 +392,11 @@ def make_train_step(
     donate_argnums = (0,) if donate else ()
     if specialize_phases:
         probe = functools.partial(global_step, probe=True)
-        return PhasedStep(global_step, probe, donate_argnums=donate_argnums), state
-    return jax.jit(global_step, donate_argnums=donate_argnums), state
+        program = PhasedStep(global_step, probe, donate_argnums=donate_argnums)
+    else:
+        program = jax.jit(global_step, donate_argnums=donate_argnums)
+    place = functools.partial(place_batch, mesh=mesh, axis_name=axis_name)
+    return TrainStep(program, place, max_in_flight=max_in_flight), state
 
 
 def _owned(tree: PyTree) -> PyTree:
@@ -396,7 +414,8 @@ def make_pmap_train_step(
     devices: Sequence[jax.Device] | None = None,
     has_aux: bool = False,
     donate: bool = True,
-    specialize_phases: bool = False,
+    specialize_phases: bool = True,
+    max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
 ) -> tuple[Callable, TrainState]:
     """The ``jax.pmap`` variant of :func:`make_train_step`.
 
@@ -443,11 +462,19 @@ def make_pmap_train_step(
     else:
         pmapped = compile_pmap(body, donate_argnums)
 
-    def step(state: TrainState, batch):
-        split = jax.tree.map(lambda x: jnp.reshape(x, (n, -1, *jnp.shape(x)[1:])), batch)
-        return pmapped(state, split)
+    def split(batch):
+        def rows(path, x):
+            shape = jnp.shape(x)
+            if not shape or shape[0] % n:
+                raise ValueError(
+                    f"jaxcomm: batch leaf {jax.tree_util.keystr(path) or 'the batch'} has shape "
+                    f"{tuple(shape)}: its leading dimension must split evenly over {n} devices "
+                    f"(pass a multiple of {n} rows)"
+                )
+            return jnp.reshape(x, (n, -1, *shape[1:]))
 
+        return jax.tree_util.tree_map_with_path(rows, batch)
+
+    step = TrainStep(pmapped, split, max_in_flight=max_in_flight)
     step.pmapped = pmapped
-    if specialize_phases:
-        step.phased = pmapped
     return step, state

@@ -183,6 +183,7 @@ class PhasedStep:
         self._probe = compile_probe(probe)
         self._programs: dict[tuple[int, ...], Callable] = {}
         self._without_phases = False  # set once a probe found no phase at all
+        self._single: Callable | None = None  # the unspecialised program, for traced calls
         self.last_phases: tuple[int, ...] | None = None  #: the phases of the latest call
 
     def phases(self, *args) -> tuple[int, ...]:
@@ -217,6 +218,12 @@ class PhasedStep:
         return self._programs[values]
 
     def __call__(self, *args):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+            # Inside the caller's own trace (jax.jit, jc.comms_report) no phase can be read on
+            # the host: the step is then the one program with every phase's branch.
+            if self._single is None:
+                self._single = self._compile(self._traced, self._donate)
+            return self._single(*args)
         self.last_phases = self.phases(*args)
         return self.program(self.last_phases)(*args)
 

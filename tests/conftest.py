@@ -20,6 +20,20 @@ def mesh():
     return jax.make_mesh((NUM_DEVICES,), ("dp",), axis_types=(AxisType.Auto,))
 
 
+@pytest.fixture(scope="session")
+def explicit_mesh():
+    """JAX's default mesh: ``jax.make_mesh`` with Explicit axes."""
+    return jax.make_mesh((NUM_DEVICES,), ("dp",))
+
+
+def split_over(mesh, tree, axis: str | None = None):
+    """``tree`` placed with every leaf split on axis 0 over ``axis`` (needed on Explicit meshes,
+    where ``shard_map`` does not reshard its inputs)."""
+    axis = mesh.axis_names[0] if axis is None else axis
+    sharding = jax.sharding.NamedSharding(mesh, PartitionSpec(axis))
+    return jax.tree.map(lambda x: jax.device_put(x, sharding), tree)
+
+
 def make_mesh(n: int, name: str = "dp"):
     return jax.sharding.Mesh(np.array(jax.devices()[:n]), (name,), axis_types=(AxisType.Auto,))
 
@@ -37,4 +51,4 @@ def run_sharded(fn, mesh, global_tree, global_state, *, out_tree_spec=None, chec
     mapped = jax.shard_map(
         fn, mesh=mesh, in_specs=(spec, spec), out_specs=(out_spec, spec), check_vma=check_vma
     )
-    return jax.jit(mapped)(global_tree, global_state)
+    return jax.jit(mapped)(split_over(mesh, global_tree), split_over(mesh, global_state))

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import NUM_DEVICES, make_mesh
+from conftest import NUM_DEVICES, make_mesh, split_over
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -13,6 +13,14 @@ from onebit_reference import OneBitAllReduceModel, OneBitReduceScatterModel
 import jaxcomm as jc
 
 N = NUM_DEVICES
+
+
+@pytest.fixture(scope="module", params=["auto", "explicit"])
+def mesh(request):
+    """Every collective test on an Auto mesh and on JAX's default (Explicit-axis) mesh."""
+    if request.param == "auto":
+        return jax.make_mesh((N,), ("dp",), axis_types=(AxisType.Auto,))
+    return jax.make_mesh((N,), ("dp",))
 
 
 def per_device_trees(seed: int, shapes: dict, n: int = N, dtypes: dict | None = None):
@@ -52,7 +60,7 @@ def run_stacked(fn, mesh, stacked_tree, state, *, check_vma=True, out_spec=None)
         out_specs=(P() if out_spec is None else out_spec, P(axis)),
         check_vma=check_vma,
     )
-    return jax.jit(mapped)(stacked_tree, global_state)
+    return jax.jit(mapped)(split_over(mesh, stacked_tree), split_over(mesh, global_state))
 
 
 MIXED_SHAPES = {"w": (5, 3), "b": (7,), "s": (), "z": (0, 4), "h": (9,), "i": (4,), "m": (3,)}
@@ -108,7 +116,7 @@ def onebit_steps(mesh, stacked_trees, *, mean=True, bucket_bytes=None):
     )
     outs, states = [], [global_state]
     for tree in stacked_trees:
-        out, global_state = step(tree, global_state)
+        out, global_state = step(split_over(mesh, tree), split_over(mesh, global_state))
         outs.append(out)
         states.append(global_state)
     return outs, states
@@ -298,7 +306,7 @@ def test_onebit_psum_scatter_matches_model_and_gathers_exactly(mesh):
     c = {"a": 4, "b": 2}  # ceil(30/8), ceil(15/8)
     model = OneBitReduceScatterModel(N, sum(c.values()))
     for tree in trees:
-        (shards, full), global_state = step(tree, global_state)
+        (shards, full), global_state = step(split_over(mesh, tree), split_over(mesh, global_state))
         rows = []
         for key in ("a", "b"):
             flat = np.zeros((N, N * c[key]), np.float32)

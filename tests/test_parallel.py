@@ -9,7 +9,7 @@ from conftest import NUM_DEVICES
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.inspect import collectives_in_hlo, wire_bytes
+from jaxcomm.inspect.hlo import collectives_in_hlo, wire_bytes
 
 N = NUM_DEVICES
 D = 24  # features

@@ -8,7 +8,7 @@ import pytest
 from conftest import NUM_DEVICES
 
 import jaxcomm as jc
-from jaxcomm.inspect import collectives_in_hlo
+from jaxcomm.inspect.hlo import collectives_in_hlo
 from jaxcomm.phases import fixed_phases, record_phases
 
 N = NUM_DEVICES
@@ -72,10 +72,10 @@ def test_specialised_step_follows_the_single_program(mesh, name):
     make, phases = SCHEDULES[name]
     params, batch = regression()
     batch = batch_on(mesh, batch)
-    one, s1 = jc.make_train_step(mesh, "dp", loss_fn, make(jc.NoCompression()), params)
-    phased, s2 = jc.make_train_step(
-        mesh, "dp", loss_fn, make(jc.NoCompression()), params, specialize_phases=True
+    one, s1 = jc.make_train_step(
+        mesh, "dp", loss_fn, make(jc.NoCompression()), params, specialize_phases=False
     )
+    phased, s2 = jc.make_train_step(mesh, "dp", loss_fn, make(jc.NoCompression()), params)
     for _ in range(STEPS):
         s1, l1 = one(s1, batch)
         s2, l2 = phased(s2, batch)
@@ -164,7 +164,9 @@ def test_onebit_programs_have_no_branch_and_the_probe_sends_nothing(mesh):
     params, batch = regression()
     batch = batch_on(mesh, batch)
     tx = jc.onebit_adam(LR, freeze_step=2, axis_name="dp")
-    single, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+    single, state = jc.make_train_step(
+        mesh, "dp", loss_fn, tx, params, specialize_phases=False
+    )
     n = mesh.devices.size
     assert _state_branches(single.lower(state, batch).compile().as_text(), n)
     step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params, specialize_phases=True)
@@ -187,7 +189,7 @@ def test_onebit_programs_have_no_branch_and_the_probe_sends_nothing(mesh):
         # warm-up: the exact fp32 mean; compressed: OneBit's packed signs, no fp32 all-reduce
         # of the parameters' size.
         assert ("all-to-all" in kinds) == (values[0] >= 1)
-    probe = jax.jit(step._probe).lower(state, batch).compile().as_text()
+    probe = jax.jit(step.phased._probe).lower(state, batch).compile().as_text()
     assert collectives_in_hlo(probe) == []
 
 
@@ -267,7 +269,7 @@ def test_onebit_adam_without_warm_up_compiles_no_schedule_branch(mesh):
     params, batch = regression()
     batch = batch_on(mesh, batch)
     tx = jc.onebit_adam(LR, freeze_step=0, axis_name="dp")
-    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params, specialize_phases=False)
     for _ in range(2):
         assert _state_branches(step.lower(state, batch).compile().as_text(), N) == []
         state, _ = step(state, batch)

@@ -1,0 +1,284 @@
+"""The user's path at 1 Gbit/s: the README's code with default arguments, timed as users run it.
+
+Two processes (one CPU device each, gloo) on a loopback shaped with ``tc tbf`` (the shared
+driver ``benchmarks/_two_ranks.py``). Each process starts the way a user's script does:
+``import jaxcomm`` and ``jax.distributed.initialize(coordinator, num_processes, process_id)``
+called directly; JAX's default mesh (``jax.make_mesh``, Explicit axes); only public API, every
+jaxcomm argument at its default. Rows:
+
+* ``readme_pmean`` / ``readme_onebit``: the README's Use block (``compressed_pmean`` with
+  ``jc.OneBit()`` in ``shard_map``, returning ``(mean, state)``, state donated) on 64 MiB of
+  fp32 gradients per process, and the same block with ``lax.pmean`` in place of the call;
+* ``local``: the floor, ``optax.adam`` on the process's own batch with no communication;
+* ``exact_adam``: ``jc.make_train_step`` with ``optax.chain(jc.compressed_mean("dp",
+  jc.NoCompression()), optax.adam(lr))``;
+* ``onebit_adam``: ``jc.make_train_step`` with ``jc.onebit_adam(lr, freeze_step=4,
+  axis_name="dp")``, timed after the freeze;
+* ``zero_one_adam``: ``jc.make_train_step`` with ``jc.zero_one_adam(lr, axis_name="dp",
+  total_steps=40)`` (its documented call), timed after the variance freeze, so every round holds
+  whole cycles (one local step and one synchronisation with the default cap of 2).
+
+Model: the MLP of ``train_step_1gbit.py`` (4 x 2048 x 2048, 16.8M fp32 parameters, 64 MiB),
+16 examples per process. Timing as a training loop runs: each round runs ``--steps`` steps of
+one method without reading a value, then waits for the last; rounds alternate the methods;
+the table gives each method's median step over ``--repeats`` rounds, slower rank, and the
+ratios asked of jaxcomm. The JSON (``--json``) records the command, versions, machine and date.
+
+Usage (root for ``unshare``/``tc``)::
+
+    python benchmarks/user_path.py [--rate 1gbit] [--repeats 5] [--steps 4] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+METHODS = ("readme_pmean", "readme_onebit", "local", "exact_adam", "onebit_adam", "zero_one_adam")
+LR = 1e-3
+WIDTH, LAYERS, BATCH = 2048, 4, 16
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rate", default="1gbit", help="tc rate of the shaped loopback (1gbit)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per method (5)")
+    p.add_argument("--steps", type=int, default=4, help="steps per round, unread (4)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
+    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
+    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
+    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm as jc
+
+    jax.distributed.initialize(
+        coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        num_processes=int(os.environ["WORLD_SIZE"]),
+        process_id=int(os.environ["RANK"]),
+    )
+    rank, n = jax.process_index(), jax.process_count()
+    mesh = jax.make_mesh((n,), ("dp",))
+    split = NamedSharding(mesh, P("dp"))
+
+    # The model: every process has the same initial parameters and its own batch.
+    init = np.random.default_rng(0)
+    params = {
+        f"l{i}": {
+            "w": jnp.asarray(init.standard_normal((WIDTH, WIDTH), np.float32) / np.sqrt(WIDTH)),
+            "b": jnp.zeros(WIDTH),
+        }
+        for i in range(LAYERS)
+    }
+
+    def loss_fn(p, batch):
+        x, y = batch
+        for i in range(LAYERS):
+            x = x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
+            x = jnp.tanh(x) if i < LAYERS - 1 else x
+        return jnp.mean((x - y) ** 2)
+
+    data = np.random.default_rng(1 + rank)
+    batch = (
+        data.standard_normal((BATCH, WIDTH), np.float32),
+        data.standard_normal((BATCH, WIDTH), np.float32),
+    )
+
+    def readme_block(reduce):
+        """The README's Use block at 64 MiB per process, ``reduce`` in place of the call."""
+        compressor = jc.OneBit()
+        grads_like = {"w": jnp.zeros((4096, 4096))}
+        state = jc.stack_per_device(jc.init_state(compressor, grads_like, axis_size=n), n)
+
+        def mean_grads(grads, state):
+            return reduce(grads, state, compressor)
+
+        mean_grads = jax.jit(
+            jax.shard_map(
+                mean_grads, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=(P(), P("dp"))
+            ),
+            donate_argnums=1,
+        )
+        local = {"w": np.random.default_rng(rank).standard_normal((4096, 4096), np.float32)}
+        grads = jax.tree.map(lambda g: jax.make_array_from_process_local_data(split, g), local)
+        state = jax.tree.map(
+            lambda s: jax.make_array_from_process_local_data(split, np.asarray(s)[:1]), state
+        )
+        holder = {"state": state}
+
+        def run(steps):
+            for _ in range(steps):
+                mean, holder["state"] = mean_grads(grads, holder["state"])
+            return mean
+
+        return run
+
+    def train(tx):
+        step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+        holder = {"state": state}
+
+        def run(steps):
+            for _ in range(steps):
+                holder["state"], loss = step(holder["state"], batch)
+            return loss
+
+        return run
+
+    def local_adam():
+        device = jax.local_devices()[0]
+        opt = optax.adam(LR)
+
+        def local_step(state, b):
+            p, s = state
+            loss, grads = jax.value_and_grad(loss_fn)(p, b)
+            updates, s = opt.update(grads, s, p)
+            return (optax.apply_updates(p, updates), s), loss
+
+        state = jax.device_put((params, opt.init(params)), device)
+        state = jax.tree.map(jnp.copy, state)
+        b = jax.device_put(batch, device)
+        fn = jax.jit(local_step, donate_argnums=(0,))
+        holder = {"state": state}
+
+        def run(steps):
+            for _ in range(steps):
+                holder["state"], loss = fn(holder["state"], b)
+            return loss
+
+        return run
+
+    builders = {
+        "readme_pmean": lambda: readme_block(lambda g, s, c: (lax.pmean(g, "dp"), s)),
+        "readme_onebit": lambda: readme_block(
+            lambda g, s, c: jc.compressed_pmean(g, s, axis_name="dp", compressor=c)
+        ),
+        "local": local_adam,
+        "exact_adam": lambda: train(
+            optax.chain(jc.compressed_mean("dp", jc.NoCompression()), optax.adam(LR))
+        ),
+        "onebit_adam": lambda: train(jc.onebit_adam(LR, freeze_step=4, axis_name="dp")),
+        "zero_one_adam": lambda: train(jc.zero_one_adam(LR, axis_name="dp", total_steps=40)),
+    }
+    warmup = {"onebit_adam": 8, "zero_one_adam": 16}  # past the freeze, into whole cycles
+    names = [m for m in args.methods.split(",") if m]
+    token = jax.make_array_from_process_local_data(split, np.ones((1,), np.float32))
+    barrier = jax.jit(
+        jax.shard_map(lambda t: lax.psum(t, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    )
+    runs, compile_s = {}, {}
+    for name in names:
+        t0 = time.perf_counter()
+        runs[name] = builders[name]()
+        jax.block_until_ready(runs[name](warmup.get(name, 2)))
+        compile_s[name] = time.perf_counter() - t0
+    times = {name: [] for name in names}
+    for _ in range(args.repeats):
+        for name in names:
+            barrier(token).block_until_ready()
+            t0 = time.perf_counter()
+            jax.block_until_ready(runs[name](args.steps))
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    Path(args.worker, f"rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "times": times, "compile_s": compile_s})
+    )
+    jax.distributed.shutdown()
+
+
+def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
+    import jax
+
+    import jaxcomm as jc
+
+    names = list(ranks[0]["times"])
+    # Each round's step is the slower rank's; the median over rounds.
+    step = {
+        name: statistics.median(
+            max(r["times"][name][i] for r in ranks) for i in range(args.repeats)
+        )
+        for name in names
+    }
+    ratios = {}
+
+    def ratio(key, a, b):
+        if a in step and b in step:
+            ratios[key] = step[a] / step[b]
+
+    ratio("readme_onebit_speedup_vs_pmean", "readme_pmean", "readme_onebit")
+    ratio("onebit_adam_speedup_vs_exact", "exact_adam", "onebit_adam")
+    ratio("onebit_adam_over_local", "onebit_adam", "local")
+    ratio("zero_one_adam_speedup_vs_exact", "exact_adam", "zero_one_adam")
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "jaxcomm": jc.__version__,
+        "jax": jax.__version__,
+        "machine": {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()},
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "rate": args.rate if shaped else "unshaped",
+        "steps_per_round": args.steps,
+        "repeats": args.repeats,
+        "step_s": step,
+        "compile_s": {k: max(r["compile_s"][k] for r in ranks) for k in names},
+        "ratios": ratios,
+    }
+
+
+def _table(summary: dict) -> str:
+    lines = [
+        f"user's path, 2 processes, {summary['rate']}, median of {summary['repeats']} rounds of "
+        f"{summary['steps_per_round']} unread steps, slower rank",
+        f"{'method':<16} {'step ms':>9} {'compile s':>10}",
+    ]
+    for name, s in summary["step_s"].items():
+        lines.append(f"{name:<16} {1e3 * s:9.1f} {summary['compile_s'][name]:10.1f}")
+    for key, value in summary["ratios"].items():
+        lines.append(f"{key:<34} {value:6.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    from _two_ranks import report_two_ranks
+
+    worker_args = [
+        f"--methods={args.methods}",
+        f"--repeats={args.repeats}",
+        f"--steps={args.steps}",
+    ]
+    return report_two_ranks(
+        __file__, worker_args, args, prefix="user_path_", summarize=_summarize, table=_table
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,7 +39,7 @@ class TopK(Compressor):
     Reduce-scatter: top ``k = ceil(f C)`` of each destination row, all_to_all of the pairs, and
     device ``r`` scatter-adds what it received into its ``(C,)`` row. All-gather is exact.
 
-    Cost model, bytes per device (ring model of :mod:`jaxcomm.hlo`), against the fp32 ring
+    Cost model, bytes per device (ring model of :mod:`jaxcomm.inspect`), against the fp32 ring
     all-reduce ``2 (n-1)/n * 4N``:
 
     * all-reduce: ``(n-1)/n * n k * 8 = 8 (n-1) f N``; ratio ``1 / (n f)``. The gathered

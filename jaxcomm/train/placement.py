@@ -39,8 +39,8 @@ def place_batch(batch: PyTree, mesh: Mesh, axis_name: str) -> PyTree:
       >>> import jax, numpy as np, jaxcomm as jc
       >>> mesh = jax.make_mesh((jax.device_count(),), ("dp",))
       >>> x = jc.train.place_batch(np.zeros((8 * jax.device_count(), 3)), mesh, "dp")
-      >>> x.sharding.spec
-      PartitionSpec('dp',)
+      >>> x.sharding.spec == jax.sharding.PartitionSpec("dp")
+      True
     """
     if axis_name not in mesh.shape:
         raise ValueError(

@@ -14,6 +14,8 @@ from jax import lax
 from jaxcomm.compressors._base import Compressor
 from jaxcomm.layout import Bucket, concatenated_to_rank_major
 
+_FP32_MAX = float(np.finfo(np.float32).max)
+
 
 class PowerSGDState(NamedTuple):
     """PowerSGD state of one bucket (private to its device, identical ``q`` on every device).
@@ -101,6 +103,7 @@ class PowerSGD(Compressor):
 
     returns_mean = True
     scatter_layout = "concatenated"
+    takes_state_blocks = True
 
     def __post_init__(self):
         if not isinstance(self.rank, int | np.integer) or self.rank < 1:
@@ -147,21 +150,30 @@ class PowerSGD(Compressor):
 
     reduce_scatter = all_reduce
 
-    def all_reduce_bucket(self, flat, state: PowerSGDState, bucket, *, axis_name, axis_size):
+    def _low_rank_mean(self, flat, state: PowerSGDState, bucket, *, axis_name, axis_size):
+        """``(mean, compensated input, new Q, finite)`` of one bucket.
+
+        ``finite`` is decided from the small all-reduced factors alone, with no pass over the
+        bucket: a NaN or Inf in any device's compensated input reaches its ``P = M Q`` (IEEE
+        ``inf * 0`` is NaN) or the exact leaves, both all-reduced; and with ``P``'s columns of
+        norm at most 1, ``|mean| <= rank * max|Q| / n``, checked against fp32's largest value.
+        """
         plan = self.leaf_plan(bucket.shapes)
         low = [leaf for leaf in plan if leaf.rank]
         exact = [leaf for leaf in plan if not leaf.rank]
-        comp = flat + state.error if self.error_feedback else flat
+        # State leaves arrive as (1, *local) blocks inside shard_map (takes_state_blocks).
+        q_state = state.q.reshape(-1)
+        comp = flat + state.error.reshape(-1) if self.error_feedback else flat
         eps = self.orthogonalization_epsilon
 
         if self.warm_start:
             qs, offset = [], 0
             for leaf in low:
                 n_q = leaf.cols * leaf.rank
-                qs.append(state.q[offset : offset + n_q].reshape(leaf.cols, leaf.rank))
+                qs.append(q_state[offset : offset + n_q].reshape(leaf.cols, leaf.rank))
                 offset += n_q
         else:
-            key = jax.random.fold_in(jax.random.PRNGKey(self.seed), state.step[0])
+            key = jax.random.fold_in(jax.random.PRNGKey(self.seed), state.step.reshape(-1)[0])
             qs = self._initial_qs(plan, key)
         qs = [_gram_schmidt(q, eps) for q in qs]
         ms = [comp[lf.offset : lf.offset + lf.size].reshape(lf.rows, lf.cols) for lf in low]
@@ -176,32 +188,56 @@ class PowerSGD(Compressor):
             ps.append(_gram_schmidt(summed[offset : offset + n_p].reshape(leaf.rows, -1), eps))
             offset += n_p
         exact_mean = summed[offset:] / axis_size
-        q_new = state.q
+        q_new = q_state
+        finite = jnp.all(jnp.isfinite(summed))
         if low:
             q_new = lax.psum(
                 jnp.concatenate([(m.T @ p).reshape(-1) for m, p in zip(ms, ps, strict=True)]),
                 axis_name,
             )
+            bound = jnp.max(jnp.abs(q_new)) * (max(leaf.rank for leaf in low) / axis_size)
+            finite = finite & (bound <= _FP32_MAX)  # False for a NaN or Inf in Q too
 
-        # Reassemble the mean in leaf order.
+        # Reassemble the mean in leaf order; 1/n goes into the small factor P.
         pieces, q_off, e_off, li = [], 0, 0, 0
         for leaf in plan:
             if leaf.rank:
                 n_q = leaf.cols * leaf.rank
                 q = q_new[q_off : q_off + n_q].reshape(leaf.cols, leaf.rank)
-                pieces.append((ps[li] @ q.T).reshape(-1) / axis_size)
+                pieces.append(((ps[li] / axis_size) @ q.T).reshape(-1))
                 q_off += n_q
                 li += 1
             else:
                 pieces.append(exact_mean[e_off : e_off + leaf.size])
                 e_off += leaf.size
         out = jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-        new_state = PowerSGDState(
-            error=comp - out if self.error_feedback else state.error,
-            q=q_new if self.warm_start else state.q,
-            step=state.step + 1,
+        return out, comp, q_new, finite
+
+    def _next_state(self, state: PowerSGDState, comp, out, q_new, keep) -> PowerSGDState:
+        """The new state where ``keep``, else ``state``, in ``state``'s layout. The residual
+        saturates at fp32's largest value (no overflow to Inf), so the choice fuses into the one
+        pass that writes it."""
+        error = state.error
+        if self.error_feedback:
+            residual = jnp.clip(comp - out, -_FP32_MAX, _FP32_MAX).reshape(error.shape)
+            error = jnp.where(keep, residual, error)
+        q = jnp.where(keep, q_new.reshape(state.q.shape), state.q) if self.warm_start else state.q
+        return PowerSGDState(error=error, q=q, step=jnp.where(keep, state.step + 1, state.step))
+
+    def all_reduce_bucket(self, flat, state: PowerSGDState, bucket, *, axis_name, axis_size):
+        out, comp, q_new, _ = self._low_rank_mean(
+            flat, state, bucket, axis_name=axis_name, axis_size=axis_size
         )
-        return out, new_state
+        return out, self._next_state(state, comp, out, q_new, jnp.bool_(True))
+
+    def guarded_all_reduce_bucket(self, flat, state, bucket, *, axis_name, axis_size):
+        """:meth:`all_reduce_bucket`, keeping ``state`` when the mean is not finite, decided
+        from the all-reduced factors (see :meth:`_low_rank_mean`) before the residual is
+        written."""
+        out, comp, q_new, finite = self._low_rank_mean(
+            flat, state, bucket, axis_name=axis_name, axis_size=axis_size
+        )
+        return out, self._next_state(state, comp, out, q_new, finite), finite
 
     def reduce_scatter_bucket(self, flat, state, bucket, *, axis_name, axis_size):
         """The low-rank all-reduce of the whole (concatenated) bucket, then this device's row."""

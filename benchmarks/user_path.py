@@ -16,7 +16,10 @@ jaxcomm argument at its default. Rows:
   axis_name="dp")``, timed after the freeze;
 * ``zero_one_adam``: ``jc.make_train_step`` with ``jc.zero_one_adam(lr, axis_name="dp",
   total_steps=40)`` (its documented call), timed after the variance freeze, so every round holds
-  whole cycles (one local step and one synchronisation with the default cap of 2).
+  whole cycles (one local step and one synchronisation with the default cap of 2);
+* on request, beside them: ``onebit_adam_single`` (``specialize_phases=False``: one program
+  with the schedule's branches) and ``onebit_adam_program`` (tuned: the compressed phase's
+  program called directly, no phase read per step, the batch placed once).
 
 Model: the MLP of ``train_step_1gbit.py`` (4 x 2048 x 2048, 16.8M fp32 parameters, 64 MiB),
 16 examples per process. Timing as a training loop runs: each round runs ``--steps`` steps of
@@ -44,6 +47,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 METHODS = ("readme_pmean", "readme_onebit", "local", "exact_adam", "onebit_adam", "zero_one_adam")
+#: Beside the default rows, on request (``--methods``): a setting, and a tuned call.
+EXTRA = ("onebit_adam_single", "onebit_adam_program")
 LR = 1e-3
 WIDTH, LAYERS, BATCH = 2048, 4, 16
 
@@ -133,13 +138,30 @@ def _worker(args: argparse.Namespace) -> None:
 
         return run
 
-    def train(tx):
-        step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+    def train(tx, **options):
+        step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params, **options)
         holder = {"state": state}
 
         def run(steps):
             for _ in range(steps):
                 holder["state"], loss = step(holder["state"], batch)
+            return loss
+
+        return run
+
+    def phase_program(tx, warm: int):
+        """Tuned, not the user's path: the phase's program called directly (no phase read per
+        step, batch placed once): what the per-step phase read and placement cost."""
+        step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+        for _ in range(warm):
+            state, loss = step(state, batch)
+        placed = jc.train.place_batch(batch, mesh, "dp")
+        program = step.program(step.phases(state, placed))
+        holder = {"state": state}
+
+        def run(steps):
+            for _ in range(steps):
+                holder["state"], loss = program(holder["state"], placed)
             return loss
 
         return run
@@ -177,9 +199,16 @@ def _worker(args: argparse.Namespace) -> None:
             optax.chain(jc.compressed_mean("dp", jc.NoCompression()), optax.adam(LR))
         ),
         "onebit_adam": lambda: train(jc.onebit_adam(LR, freeze_step=4, axis_name="dp")),
+        "onebit_adam_single": lambda: train(
+            jc.onebit_adam(LR, freeze_step=4, axis_name="dp"), specialize_phases=False
+        ),
+        "onebit_adam_program": lambda: phase_program(
+            jc.onebit_adam(LR, freeze_step=4, axis_name="dp"), warm=8
+        ),
         "zero_one_adam": lambda: train(jc.zero_one_adam(LR, axis_name="dp", total_steps=40)),
     }
-    warmup = {"onebit_adam": 8, "zero_one_adam": 16}  # past the freeze, into whole cycles
+    # past the freeze, into whole cycles
+    warmup = {"onebit_adam": 8, "onebit_adam_single": 8, "zero_one_adam": 16}
     names = [m for m in args.methods.split(",") if m]
     token = jax.make_array_from_process_local_data(split, np.ones((1,), np.float32))
     barrier = jax.jit(

@@ -66,3 +66,48 @@ def report_two_ranks(
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0
+
+
+def slower_rank_medians(ranks: list[dict], key: str = "times") -> dict[str, float]:
+    """Each method's median over rounds of the slower rank's time in that round.
+
+    ``ranks[r][key][method]`` is rank ``r``'s list of per-round times (rounds aligned: every
+    round starts at a barrier).
+    """
+    import statistics
+
+    names = list(ranks[0][key])
+    rounds = len(ranks[0][key][names[0]]) if names else 0
+    return {
+        name: statistics.median(max(r[key][name][i] for r in ranks) for i in range(rounds))
+        for name in names
+    }
+
+
+def provenance(**versions: str) -> dict:
+    """What a result was measured with: the command, jaxcomm's and JAX's versions (plus
+    ``versions``), the machine (CPU model, cores, platform) and the date (UTC)."""
+    import datetime
+    import os
+    import platform
+
+    import jax
+
+    import jaxcomm
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "jaxcomm": jaxcomm.__version__,
+        "jax": jax.__version__,
+        **versions,
+        "machine": {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()},
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }

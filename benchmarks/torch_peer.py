@@ -28,11 +28,8 @@ dependency). Usage (root for ``unshare``/``tc``)::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -242,19 +239,13 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
-    import jax
     import torch
+    from _two_ranks import provenance, slower_rank_medians
 
-    import jaxcomm as jc
-
-    names = list(ranks[0]["times"])
-    step = {
-        n: statistics.median(max(r["times"][n][i] for r in ranks) for i in range(args.repeats))
-        for n in names
-    }
+    step = slower_rank_medians(ranks)
     over = {
         n: step[n] - step["torch_local" if n.startswith("torch") else "jax_local"]
-        for n in names
+        for n in step
         if not n.endswith("_local")
     }
     best_torch = min(step[n] for n in ("torch_fp16", "torch_powersgd"))
@@ -264,21 +255,8 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
         "fp16_torch_over_jax": step["torch_fp16"] / step["jax_fp16"],
         "best_torch_over_best_jax": best_torch / best_jax,
     }
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        "unknown",
-    )
     return {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "jaxcomm": jc.__version__,
-        "jax": jax.__version__,
-        "torch": torch.__version__,
-        "machine": {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **provenance(torch=torch.__version__),
         "rate": args.rate if shaped else "unshaped",
         "repeats": args.repeats,
         "steps_per_round": args.steps,

@@ -35,11 +35,8 @@ Usage (root for ``unshare``/``tc``)::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -234,18 +231,9 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
-    import jax
+    from _two_ranks import provenance, slower_rank_medians
 
-    import jaxcomm as jc
-
-    names = list(ranks[0]["times"])
-    # Each round's step is the slower rank's; the median over rounds.
-    step = {
-        name: statistics.median(
-            max(r["times"][name][i] for r in ranks) for i in range(args.repeats)
-        )
-        for name in names
-    }
+    step = slower_rank_medians(ranks)
     ratios = {}
 
     def ratio(key, a, b):
@@ -256,25 +244,13 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
     ratio("onebit_adam_speedup_vs_exact", "exact_adam", "onebit_adam")
     ratio("onebit_adam_over_local", "onebit_adam", "local")
     ratio("zero_one_adam_speedup_vs_exact", "exact_adam", "zero_one_adam")
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "jaxcomm": jc.__version__,
-        "jax": jax.__version__,
-        "machine": {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **provenance(),
         "rate": args.rate if shaped else "unshaped",
         "steps_per_round": args.steps,
         "repeats": args.repeats,
         "step_s": step,
-        "compile_s": {k: max(r["compile_s"][k] for r in ranks) for k in names},
+        "compile_s": {k: max(r["compile_s"][k] for r in ranks) for k in step},
         "ratios": ratios,
     }
 

@@ -1,18 +1,19 @@
 """jaxcomm: compressed, coalesced collectives for distributed training in JAX."""
 
-from jaxcomm.backend import CommBackend, CommConfig, ReduceOp
-from jaxcomm.collectives import (
-    ReduceState,
-    ScatterState,
+from jaxcomm.comm.all_reduce import compressed_pmean, compressed_pmean_or_fallback, compressed_psum
+from jaxcomm.comm.backend import CommBackend, CommConfig, ReduceOp
+from jaxcomm.comm.hierarchical import (
+    hierarchical_pmean,
+    hierarchical_psum,
+    init_hierarchical_state,
+)
+from jaxcomm.comm.scatter_gather import (
     compressed_all_gather,
-    compressed_pmean,
-    compressed_pmean_or_fallback,
     compressed_pmean_scatter,
-    compressed_psum,
     compressed_psum_scatter,
-    init_state,
     shard_shapes,
 )
+from jaxcomm.comm.state import ReduceState, ScatterState, init_state
 from jaxcomm.compressors import (
     Cast,
     Compressor,
@@ -30,7 +31,6 @@ from jaxcomm.compressors import (
     TwoStageScatterState,
     TwoStageState,
 )
-from jaxcomm.hierarchical import hierarchical_pmean, hierarchical_psum, init_hierarchical_state
 from jaxcomm.inspect import CommsReport, comms_report, wire_bytes_by_axes
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
 from jaxcomm.optim.diloco import diloco

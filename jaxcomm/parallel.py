@@ -45,14 +45,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm._compat import ensure_varying
-from jaxcomm.phases import PhasedStep, record_phases
-from jaxcomm.state import (
+from jaxcomm.comm.state import (
     block_types,
     holds_per_device_params,
     is_per_device,
     per_device_types,
 )
-from jaxcomm.state import register_per_device_type as register_per_device_type
+from jaxcomm.comm.state import register_per_device_type as register_per_device_type
+from jaxcomm.phases import PhasedStep, record_phases
 from jaxcomm.train.placement import place_batch
 from jaxcomm.train.step import DEFAULT_MAX_IN_FLIGHT, TrainStep
 

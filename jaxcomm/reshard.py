@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import GetAttrKey
 
 from jaxcomm import parallel
-from jaxcomm.collectives import ReduceState, ScatterState, init_state
+from jaxcomm.comm.state import ReduceState, ScatterState, init_state
 from jaxcomm.compressors import Compressor
 from jaxcomm.parallel import (
     TrainState,

@@ -45,6 +45,8 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from jaxcomm.comm.buckets import Bucket, concatenated_to_rank_major, rank_major_to_concatenated
+from jaxcomm.comm.state import STATE_TYPES, init_state, plan_tree
 from jaxcomm.compressors import (
     Compressor,
     PowerSGDState,
@@ -52,8 +54,6 @@ from jaxcomm.compressors import (
     TwoStageScatterState,
     TwoStageState,
 )
-from jaxcomm.layout import Bucket, concatenated_to_rank_major, rank_major_to_concatenated
-from jaxcomm.state import STATE_TYPES, init_state, plan_tree
 
 PyTree = Any
 Layout = Literal["stacked", "concatenated"]

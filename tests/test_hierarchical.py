@@ -10,7 +10,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.hierarchical import hierarchical_pmean, hierarchical_psum, init_hierarchical_state
+from jaxcomm.comm.hierarchical import hierarchical_pmean, hierarchical_psum, init_hierarchical_state
 from jaxcomm.inspect import replica_groups, wire_bytes_by_axes
 
 S, L = 2, 4  # nodes (slow axis) x local devices (fast axis)

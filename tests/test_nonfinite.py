@@ -1,4 +1,4 @@
-"""NaN/Inf gradients reach the output but never the error feedback (jaxcomm.collectives guard).
+"""NaN/Inf gradients reach the output but never the error feedback (jaxcomm.comm.reduce guard).
 
 Every compressor: a step with a NaN on one device, then one with an Inf on another, produce a
 non-finite output (so loss scaling sees it), leave the state exactly as it was after the last

@@ -28,17 +28,16 @@ def test_python_m_jaxcomm_is_the_cli():
 PACKAGE = Path(__file__).resolve().parent.parent / "jaxcomm"
 
 # One layer per top-level module or folder of jaxcomm/: a module imports only from its own
-# layer or lower ones. The package (jaxcomm/__init__.py) sits above them all.
+# layer or lower ones. The package (jaxcomm/__init__.py) sits above them all. A module of a
+# folder may have a layer of its own ("comm.buckets": the compressors lay out their buffers
+# with it, the rest of comm/ calls the compressors); the longest entry that names it counts.
 LAYERS = {
     "_compat": 0,
-    "layout": 0,
+    "comm.buckets": 0,
     "phases": 0,
     "runtime": 0,
     "compressors": 1,
-    "state": 2,
-    "collectives": 3,
-    "backend": 4,
-    "hierarchical": 4,
+    "comm": 2,
     "resize": 4,
     "inspect": 4,
     "optim": 5,
@@ -52,7 +51,6 @@ COMMAND = ("cli", "__main__")
 MAX_LINES = 400
 # Library files over MAX_LINES today: to split in later stages.
 OVER_LIMIT = {
-    "collectives.py",
     "optim/diloco.py",
     "optim/onebit_adam.py",
     "optim/zero_one_adam.py",
@@ -75,6 +73,16 @@ def _top(name: str) -> str | None:
     """The top-level module or folder of ``jaxcomm.<top>...`` (``None`` for the package)."""
     parts = name.split(".")
     return parts[1] if len(parts) > 1 else None
+
+
+def _layer(name: str) -> int | None:
+    """The layer of module ``jaxcomm.<...>``: its longest entry in LAYERS (``None``: the package
+    or an unlisted module)."""
+    parts = name.split(".")[1:]
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in LAYERS:
+            return LAYERS[".".join(parts[:end])]
+    return None
 
 
 LIBRARY = [p for p in FILES if _top(_module_name(p)) not in COMMAND]
@@ -115,13 +123,13 @@ def test_library_imports_go_down_the_layers_and_never_into_the_cli():
     bad = []
     for path in LIBRARY:
         me = _module_name(path)
-        mine = LAYERS.get(_top(me))
+        mine = _layer(me)
         for target, _ in _imports(path):
-            theirs = _top(target)
-            if theirs in COMMAND:
+            theirs = _layer(target)
+            if _top(target) in COMMAND:
                 bad.append(f"{me} imports the command-line module {target}")
-            elif mine is not None and theirs is not None and LAYERS.get(theirs, -1) > mine:
-                bad.append(f"{me} (layer {mine}) imports {target} (layer {LAYERS[theirs]})")
+            elif mine is not None and theirs is not None and theirs > mine:
+                bad.append(f"{me} (layer {mine}) imports {target} (layer {theirs})")
     assert not bad, "\n".join(bad)
 
 

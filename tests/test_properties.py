@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.layout import plan_buckets
+from jaxcomm.comm.buckets import plan_buckets
 from jaxcomm.resize import pending_sum
 
 DTYPES = [np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.int32),

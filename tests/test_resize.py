@@ -16,7 +16,7 @@ from conftest import make_mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.layout import plan_buckets
+from jaxcomm.comm.buckets import plan_buckets
 from jaxcomm.resize import pending_sum
 
 SHAPES = {"b": (5,), "w": (6, 7)}  # tree order: b, w (one fp32 bucket)

@@ -7,6 +7,7 @@
 
 from jaxcomm.compressors._base import Compressor as Compressor
 from jaxcomm.compressors._base import NoCompression as NoCompression
+from jaxcomm.compressors._base import keep_if as keep_if
 from jaxcomm.compressors._base import mean_or_fallback as mean_or_fallback
 from jaxcomm.compressors._two_stage import TwoStageScatterState as TwoStageScatterState
 from jaxcomm.compressors._two_stage import TwoStageState as TwoStageState

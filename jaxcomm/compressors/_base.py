@@ -11,7 +11,7 @@ Every compressor implements three reductions over an axis of size ``n``:
 * ``all_gather``: this device's ``(C,)`` row -> ``(n, C)``.
 
 A reduction returns whichever of sum and mean its algorithm produces (``returns_mean``); the
-collectives turn it into the one the caller asked for, in one place (:mod:`jaxcomm.collectives`).
+collectives turn it into the one the caller asked for, in one place (:mod:`jaxcomm.comm.reduce`).
 
 Integer and bool leaves never reach a compressor: they are reduced exactly by the caller.
 """
@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
-from jaxcomm.layout import Bucket, split_concatenated
+from jaxcomm.comm.buckets import Bucket, split_concatenated
 
 
 class Compressor(abc.ABC):
@@ -86,7 +86,7 @@ class Compressor(abc.ABC):
     def finite_probe(self, output: jax.Array, state: Any) -> list[jax.Array]:
         """Arrays that are all finite iff a bucket's ``output`` and new ``state`` are.
 
-        The non-finite guard of :mod:`jaxcomm.collectives` checks these. The default is the
+        The non-finite guard of :mod:`jaxcomm.comm.reduce` checks these. The default is the
         output and every floating state leaf; a compressor whose non-finite values always
         spread through a scale (OneBit) returns a few elements instead.
         """
@@ -97,9 +97,9 @@ class Compressor(abc.ABC):
         """Every device's row, stacked ``(n, C)``. Exact unless a compressor overrides it."""
         return all_gather_replicated(row, axis_name)
 
-    # Bucket-aware entry points, called by jaxcomm.collectives. By default they forward to the
+    # Bucket-aware entry points, called by jaxcomm.comm.reduce. By default they forward to the
     # flat methods above; a compressor that needs the leaves' shapes (PowerSGD views leaves as
-    # matrices) overrides them. ``bucket`` is a static :class:`jaxcomm.layout.Bucket`.
+    # matrices) overrides them. ``bucket`` is a static :class:`jaxcomm.comm.buckets.Bucket`.
 
     def init_bucket_state(self, bucket: Bucket, axis_size: int, op: str) -> Any:
         """State of one bucket for ``op`` (``"all_reduce"`` or ``"reduce_scatter"``)."""
@@ -119,7 +119,7 @@ class Compressor(abc.ABC):
         """:meth:`reduce_scatter` of a bucket in its ``scatter_layout``, knowing its leaves."""
         return self.reduce_scatter(rows, state, axis_name=axis_name, axis_size=axis_size)
 
-    # Guarded entry points: the non-finite guard of jaxcomm.collectives, one bucket at a time.
+    # Guarded entry points: the non-finite guard of jaxcomm.comm.reduce, one bucket at a time.
     # Each returns ``(output, state, finite)``: ``state`` is the new state when ``finite`` (a
     # bool scalar) is true, else the old one. Buckets are guarded independently: one flag shared
     # by all buckets tied every bucket's state to every other bucket's output, and XLA copied

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
+from jaxcomm.comm.buckets import ceil_div
 from jaxcomm.compressors._base import Compressor
-from jaxcomm.layout import ceil_div
 
 
 class TwoStageState(NamedTuple):

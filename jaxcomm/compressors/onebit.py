@@ -11,9 +11,9 @@ import numpy as np
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
+from jaxcomm.comm.buckets import round_up
 from jaxcomm.compressors._base import Compressor
 from jaxcomm.compressors._two_stage import TwoStageScatterState, TwoStageState
-from jaxcomm.layout import round_up
 
 # Bit k of a packed byte (most significant first) holds element 8*i + k: DeepSpeed's order.
 _BIT_SHIFTS = np.arange(7, -1, -1, dtype=np.uint8)

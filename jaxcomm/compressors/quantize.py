@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomm.comm.buckets import ceil_div, round_up
 from jaxcomm.compressors._two_stage import (
     ReduceInFp32,
     TwoStageScatterState,
     TwoStageState,
     unrolled_sum,
 )
-from jaxcomm.layout import ceil_div, round_up
 
 #: Names kept for readability at call sites.
 QuantizeState = TwoStageState

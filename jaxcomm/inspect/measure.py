@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.collectives import compressed_pmean, init_state
+from jaxcomm.comm.all_reduce import compressed_pmean
+from jaxcomm.comm.state import init_state
 from jaxcomm.inspect.hlo import collectives_in_hlo, replica_groups, wire_bytes
 
 

@@ -14,10 +14,12 @@ import optax
 from jax import lax
 
 from jaxcomm._compat import ensure_varying
-from jaxcomm.collectives import compressed_pmean, compressed_pmean_or_fallback
+from jaxcomm.comm.all_reduce import compressed_pmean, compressed_pmean_or_fallback
+from jaxcomm.comm.state import check_compressor as check_compressor
+from jaxcomm.comm.state import plan_tree
 from jaxcomm.compressors import Compressor, NoCompression
+from jaxcomm.compressors import keep_if as keep_if
 from jaxcomm.phases import recording_phases
-from jaxcomm.state import plan_tree
 
 PyTree = Any
 
@@ -46,14 +48,6 @@ def static_bucket_bytes(bucket_bytes) -> int | None:
             "jaxcomm: bucket_bytes must be a static int. Under optax.inject_hyperparams pass "
             "static_args=('bucket_bytes', 'axis_size')."
         ) from err
-
-
-def check_compressor(compressor) -> None:
-    if not isinstance(compressor, Compressor):
-        raise TypeError(
-            f"jaxcomm: compressor must be a jaxcomm Compressor (e.g. jc.OneBit()), got "
-            f"{compressor!r}"
-        )
 
 
 def check_static_range(
@@ -270,11 +264,6 @@ def mean_finite(
     if not replicated:
         return same
     return lax.pmin(same.astype(jnp.int32), axis_name) > 0
-
-
-def keep_if(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
-    """``new`` where ``ok`` (a bool scalar), else ``old``, leaf by leaf."""
-    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
 def check_skips(skipped: jax.Array, limit: int | None, name: str) -> None:

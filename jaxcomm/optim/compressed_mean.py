@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.collectives import ReduceState, init_state
+from jaxcomm.comm.state import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit
 from jaxcomm.optim._common import (
     check_compressor,

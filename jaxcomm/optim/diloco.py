@@ -9,7 +9,7 @@ DiLoCo (Douillard et al., 2025, "Streaming DiLoCo with overlapping communication
 arXiv:2501.18512) syncs the parameters in ``F`` fragments at staggered steps (so the peak
 bandwidth is that of one fragment), lets a fragment's reduction run for ``tau`` steps while
 training continues, and quantizes the outer gradients. Here the reduction goes through
-:func:`jaxcomm.collectives.compressed_pmean`, so any jaxcomm compressor (int8/int4 with error
+:func:`jaxcomm.compressed_pmean`, so any jaxcomm compressor (int8/int4 with error
 feedback, 1-bit, top-k) carries the outer gradients, with its error feedback in the state.
 
 The math, on device ``r`` of ``n``, with ``t = count + 1`` the 1-based step, ``theta`` the
@@ -73,7 +73,8 @@ import optax
 from jax import lax
 
 from jaxcomm._compat import ensure_varying
-from jaxcomm.collectives import compressed_pmean, init_state
+from jaxcomm.comm.all_reduce import compressed_pmean
+from jaxcomm.comm.state import init_state
 from jaxcomm.compressors import Compressor
 from jaxcomm.optim._common import all_finite, check_skips
 from jaxcomm.optim.diloco_state import (

@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 from jaxcomm import parallel
+from jaxcomm.comm.state import per_device
 from jaxcomm.compressors import Compressor, NoCompression
-from jaxcomm.state import per_device
 
 PyTree = Any
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm.collectives import ReduceState, init_state
+from jaxcomm.comm.state import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit
 from jaxcomm.optim._common import (
     PyTree,

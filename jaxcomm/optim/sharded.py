@@ -33,7 +33,7 @@ With an exact gather the slice of ``p`` *is* the master
 shard and nothing extra is stored.
 
 State. :class:`ShardedState` is per device as a whole (it is marked with
-:func:`jaxcomm.state.per_device`): under ``make_train_step`` every leaf is
+:func:`jaxcomm.comm.state.per_device`): under ``make_train_step`` every leaf is
 stacked ``(n, ...)`` with ``PartitionSpec(axis)``, so device ``r`` holds ``s_r`` only: the
 inner state is ``1/n`` of plain data parallelism's, plus at most ``n - 1`` padding elements per
 leaf, plus any scalars the inner state keeps (its step count, once per device).
@@ -54,13 +54,12 @@ from jax import lax
 from jax.extend.core import Var
 
 from jaxcomm._compat import bound_axis_size, ensure_varying
-from jaxcomm.collectives import (
-    ScatterState,
+from jaxcomm.comm.scatter_gather import (
     compressed_all_gather,
     compressed_pmean_scatter,
-    init_state,
     shard_shapes,
 )
+from jaxcomm.comm.state import ScatterState, init_state, per_device
 from jaxcomm.compressors import Compressor, NoCompression
 from jaxcomm.optim._common import (
     all_finite,
@@ -70,7 +69,6 @@ from jaxcomm.optim._common import (
     resolve_axis_size,
     static_bucket_bytes,
 )
-from jaxcomm.state import per_device
 
 PyTree = Any
 

@@ -22,7 +22,7 @@ import optax
 from jax import lax
 
 from jaxcomm._compat import ensure_varying
-from jaxcomm.collectives import ReduceState, init_state
+from jaxcomm.comm.state import ReduceState, init_state, per_device
 from jaxcomm.compressors import Compressor, OneBit
 from jaxcomm.optim._common import (
     PyTree,
@@ -47,7 +47,6 @@ from jaxcomm.optim._common import (
     zeros_f32,
 )
 from jaxcomm.phases import phase, phase_switch
-from jaxcomm.state import per_device
 
 
 @per_device(blocks=True)

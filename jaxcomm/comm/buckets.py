@@ -16,8 +16,9 @@ Two layouts are used:
   its slice of every leaf from one collective.
 
 The rank-major conversions exist once, for ``jnp`` and NumPy alike (``xp=``): the collectives
-build it on device, :mod:`jaxcomm.resize` re-cuts error feedback on the host. :func:`map_buckets`
-is the one loop over buckets that every collective (and :mod:`jaxcomm.backend`) runs.
+build it on device, :mod:`jaxcomm.elastic.resize` re-cuts error feedback on the host.
+:func:`map_buckets` is the one loop over buckets that every collective (and
+:mod:`jaxcomm.comm.backend`) runs.
 """
 
 from __future__ import annotations

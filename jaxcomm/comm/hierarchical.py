@@ -27,16 +27,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm._compat import bound_axis_size
-from jaxcomm.collectives import (
-    ReduceState,
+from jaxcomm.comm.all_reduce import compressed_pmean, compressed_psum
+from jaxcomm.comm.scatter_gather import (
     compressed_all_gather,
-    compressed_pmean,
     compressed_pmean_scatter,
-    compressed_psum,
     compressed_psum_scatter,
-    init_state,
     shard_shapes,
 )
+from jaxcomm.comm.state import ReduceState, init_state
 from jaxcomm.compressors import Compressor, NoCompression
 
 PyTree = Any

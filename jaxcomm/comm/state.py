@@ -2,7 +2,7 @@
 
 State. :func:`init_state` builds one device's error-feedback state for its local tree. The global
 layout, the same for ``shard_map``, ``pmap`` and the optimizers' states
-(:mod:`jaxcomm.parallel`), stacks the devices' states on a new leading axis: every leaf is
+(:mod:`jaxcomm.train.layout`), stacks the devices' states on a new leading axis: every leaf is
 ``(n, *local_shape)``, built from one device's state by ``jc.stack_per_device(state, n)``, and
 passed with ``in_specs``/``out_specs`` ``P(axis_name)`` (``pmap``: leading axis mapped). Inside
 ``shard_map`` a collective then receives ``(1, *local_shape)`` blocks and returns the new state
@@ -17,8 +17,8 @@ output or new error state is not finite keeps its previous (finite) state, and t
 counted in the state's ``nonfinite`` counter (per device, int32 ``(1,)``); see :func:`keep_finite`.
 
 Per-device types. A state type whose leaves differ per device marks itself with
-:func:`per_device` where it is defined; :mod:`jaxcomm.parallel` asks :func:`is_per_device` and
-imports no optimizer.
+:func:`per_device` where it is defined; :mod:`jaxcomm.train.layout` asks :func:`is_per_device`
+and imports no optimizer.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm.comm.buckets import Bucket, check_leaves, plan_buckets
 from jaxcomm.compressors import Compressor
-from jaxcomm.layout import Bucket, check_leaves, plan_buckets
 
 PyTree = Any
 StateOp = Literal["all_reduce", "reduce_scatter"]

@@ -1,4 +1,4 @@
-"""jaxcomm.layout: the bucket plan and both layouts, against NumPy models of their definitions."""
+"""jaxcomm.comm.buckets: the bucket plan and both layouts, against NumPy models of them."""
 
 import math
 
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomm import layout
+from jaxcomm.comm import buckets as bk
 
 RNG = np.random.default_rng(0)
 SHAPES = [(3, 5), (7,), (), (2, 2, 2), (0, 4), (11,)]
@@ -17,7 +17,7 @@ def leaves_f32():
 
 
 def one_bucket(leaves):
-    (bucket,) = layout.plan_buckets(leaves, None, lambda d: np.dtype(np.float32))
+    (bucket,) = bk.plan_buckets(leaves, None, lambda d: np.dtype(np.float32))
     return bucket
 
 
@@ -39,8 +39,8 @@ def numpy_rank_major(leaves, n):
 @pytest.mark.parametrize("a", [0, 1, 7, 8, 9, 100])
 @pytest.mark.parametrize("b", [1, 3, 8])
 def test_ceil_div_and_round_up(a, b):
-    assert layout.ceil_div(a, b) == math.ceil(a / b)
-    assert layout.round_up(a, b) == math.ceil(a / b) * b
+    assert bk.ceil_div(a, b) == math.ceil(a / b)
+    assert bk.round_up(a, b) == math.ceil(a / b) * b
 
 
 def test_plan_groups_by_dtype_cuts_by_bytes_and_keeps_tree_order():
@@ -51,7 +51,7 @@ def test_plan_groups_by_dtype_cuts_by_bytes_and_keeps_tree_order():
         np.zeros((2,), np.bool_),
         np.zeros((5,), np.float32),  # 20 B: fits with the previous one
     ]
-    buckets = layout.plan_buckets(leaves, 100, lambda d: np.dtype(np.float32))
+    buckets = bk.plan_buckets(leaves, 100, lambda d: np.dtype(np.float32))
     assert [b.leaf_ids for b in buckets] == [(0,), (1,), (2, 4), (3,)]
     assert [b.exact for b in buckets] == [False, True, False, True]
     assert buckets[2].numel == 25 and buckets[2].sizes == (20, 5)
@@ -60,19 +60,19 @@ def test_plan_groups_by_dtype_cuts_by_bytes_and_keeps_tree_order():
 
 def test_plan_refuses_bad_bucket_bytes_and_leaves():
     with pytest.raises(ValueError, match="bucket_bytes"):
-        layout.plan_buckets([np.zeros(3)], 0, lambda d: d)
+        bk.plan_buckets([np.zeros(3)], 0, lambda d: d)
     with pytest.raises(TypeError, match="leaf 1"):
-        layout.plan_buckets([np.zeros(3), 1.5], None, lambda d: d)
+        bk.plan_buckets([np.zeros(3), 1.5], None, lambda d: d)
     with pytest.raises(TypeError, match="complex"):
-        layout.plan_buckets([np.zeros(3, np.complex64)], None, lambda d: d)
+        bk.plan_buckets([np.zeros(3, np.complex64)], None, lambda d: d)
 
 
 def test_concatenated_layout_is_numpy_concatenate_and_round_trips():
     leaves = leaves_f32()
     bucket = one_bucket(leaves)
-    flat = layout.flatten_bucket(leaves, bucket)
+    flat = bk.flatten_bucket(leaves, bucket)
     np.testing.assert_array_equal(flat, np.concatenate([x.reshape(-1) for x in leaves]))
-    for got, want in zip(layout.unflatten_bucket(flat, bucket), leaves, strict=True):
+    for got, want in zip(bk.unflatten_bucket(flat, bucket), leaves, strict=True):
         assert got.shape == want.shape
         np.testing.assert_array_equal(got, want)
 
@@ -82,22 +82,19 @@ def test_rank_major_layout_matches_its_definition(n):
     leaves = leaves_f32()
     bucket = one_bucket(leaves)
     want = numpy_rank_major(leaves, n)
-    rows = layout.flatten_bucket_rank_major(leaves, bucket, n)
+    rows = bk.flatten_bucket_rank_major(leaves, bucket, n)
     assert rows.shape == (n, bucket.shard_numel(n))
     np.testing.assert_array_equal(rows, want)
     # The same conversion from the concatenated layout, on device and on the host.
     flat = np.concatenate([x.reshape(-1) for x in leaves])
-    np.testing.assert_array_equal(layout.concatenated_to_rank_major(jnp.asarray(flat), bucket, n),
-                                  want)
-    np.testing.assert_array_equal(layout.concatenated_to_rank_major(flat, bucket, n, xp=np), want)
+    np.testing.assert_array_equal(bk.concatenated_to_rank_major(jnp.asarray(flat), bucket, n), want)
+    np.testing.assert_array_equal(bk.concatenated_to_rank_major(flat, bucket, n, xp=np), want)
     # Extra zero columns on request; the inverse ignores them.
-    padded = layout.concatenated_to_rank_major(flat, bucket, n, bucket.shard_numel(n) + 5, xp=np)
+    padded = bk.concatenated_to_rank_major(flat, bucket, n, bucket.shard_numel(n) + 5, xp=np)
     np.testing.assert_array_equal(padded[:, -5:], 0)
-    np.testing.assert_array_equal(layout.rank_major_to_concatenated(padded, bucket, n, xp=np), flat)
-    np.testing.assert_array_equal(layout.rank_major_to_concatenated(jnp.asarray(want), bucket, n),
-                                  flat)
-    for got, x in zip(layout.unflatten_rank_major(jnp.asarray(want), bucket, n), leaves,
-                      strict=True):
+    np.testing.assert_array_equal(bk.rank_major_to_concatenated(padded, bucket, n, xp=np), flat)
+    np.testing.assert_array_equal(bk.rank_major_to_concatenated(jnp.asarray(want), bucket, n), flat)
+    for got, x in zip(bk.unflatten_rank_major(jnp.asarray(want), bucket, n), leaves, strict=True):
         np.testing.assert_array_equal(got, x)
 
 
@@ -106,18 +103,19 @@ def test_split_and_join_shards_are_inverse_and_check_shapes():
     bucket = one_bucket(leaves)
     n = 3
     row = numpy_rank_major(leaves, n)[1]
-    pieces = layout.split_shard(jnp.asarray(row), bucket, n)
+    pieces = bk.split_shard(jnp.asarray(row), bucket, n)
     assert [p.shape for p in pieces] == [(c,) for c in bucket.shard_sizes(n)]
-    np.testing.assert_array_equal(layout.join_shards(pieces, bucket, n), row)
+    np.testing.assert_array_equal(bk.join_shards(pieces, bucket, n), row)
     with pytest.raises(ValueError, match="shard 0"):
-        layout.join_shards([jnp.zeros((99,)), *pieces[1:]], bucket, n)
+        bk.join_shards([jnp.zeros((99,)), *pieces[1:]], bucket, n)
 
 
 def test_map_buckets_puts_leaves_back_in_tree_order():
-    leaves = [np.full((2,), i, np.float32) if i % 2 else np.full((2,), i, np.int32)
-              for i in range(5)]
-    buckets = layout.plan_buckets(leaves, None, lambda d: np.dtype(np.float32))
-    out, extras = layout.map_buckets(
+    leaves = [
+        np.full((2,), i, np.float32) if i % 2 else np.full((2,), i, np.int32) for i in range(5)
+    ]
+    buckets = bk.plan_buckets(leaves, None, lambda d: np.dtype(np.float32))
+    out, extras = bk.map_buckets(
         lambda b, tag: ([leaves[i] * 10 for i in b.leaf_ids], (tag, b.leaf_ids)),
         buckets,
         len(leaves),

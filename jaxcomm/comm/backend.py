@@ -20,16 +20,11 @@ from typing import Any
 import jax
 from jax import lax
 
-from jaxcomm import layout
 from jaxcomm._compat import bound_axis_size
-from jaxcomm.collectives import (
-    StateOp,
-    compressed_all_gather,
-    compressed_pmean,
-    compressed_pmean_scatter,
-    compressed_psum,
-    init_state,
-)
+from jaxcomm.comm.all_reduce import compressed_pmean, compressed_psum
+from jaxcomm.comm.buckets import flatten_bucket, map_buckets, plan_buckets, unflatten_bucket
+from jaxcomm.comm.scatter_gather import compressed_all_gather, compressed_pmean_scatter
+from jaxcomm.comm.state import StateOp, init_state
 from jaxcomm.compressors import Compressor, NoCompression
 
 PyTree = Any
@@ -145,13 +140,13 @@ def _exact_extremum(tree: PyTree, axis_name: str, bucket_bytes: int | None, op: 
     bound_axis_size(axis_name)
     reduce = lax.pmax if op is ReduceOp.MAX else lax.pmin
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    buckets = layout.plan_buckets(leaves, bucket_bytes, NoCompression().compute_dtype)
+    buckets = plan_buckets(leaves, bucket_bytes, NoCompression().compute_dtype)
 
     def one_bucket(bucket):
-        flat = layout.flatten_bucket(leaves, bucket)
+        flat = flatten_bucket(leaves, bucket)
         if bucket.numel:
             flat = reduce(flat, axis_name)
-        return layout.unflatten_bucket(flat, bucket), None
+        return unflatten_bucket(flat, bucket), None
 
-    out, _ = layout.map_buckets(one_bucket, buckets, len(leaves))
+    out, _ = map_buckets(one_bucket, buckets, len(leaves))
     return jax.tree_util.tree_unflatten(treedef, out)

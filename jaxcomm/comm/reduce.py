@@ -1,0 +1,145 @@
+"""The bucket reduction every compressed collective runs: plan, check, one chain per bucket.
+
+:func:`reduce_tree` plans the tree's buckets (:mod:`jaxcomm.comm.buckets`), checks the state
+(:func:`jaxcomm.comm.state.check_state`), runs :func:`jaxcomm.comm.buckets.map_buckets` with one
+collective chain per bucket (the chosen compressor, :mod:`jaxcomm.compressors`; integer and bool
+buckets exactly, through :data:`EXACT`), turns the compressor's sum or mean into the one asked
+for (here only), restores every leaf's shape and dtype, and passes the new error feedback
+through the non-finite guard (:func:`jaxcomm.comm.state.keep_finite`). The all-reduces
+(:mod:`jaxcomm.comm.all_reduce`) and reduce-scatters (:mod:`jaxcomm.comm.scatter_gather`) are
+thin calls of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomm._compat import bound_axis_size
+from jaxcomm.comm.buckets import (
+    flatten_bucket,
+    flatten_bucket_rank_major,
+    map_buckets,
+    split_shard,
+    unflatten_bucket,
+)
+from jaxcomm.comm.state import StateOp, as_local_block, check_state, keep_finite, plan_tree
+from jaxcomm.compressors import Compressor, NoCompression, mean_or_fallback
+
+PyTree = Any
+
+#: The exact compressor of integer and bool buckets (and of every bucket's empty case).
+EXACT = NoCompression()
+
+
+def _exact_dtype(dtype: np.dtype) -> np.dtype:
+    # lax.psum sums bools as int32 counts; do the same explicitly so empty buckets agree.
+    return np.dtype(np.int32) if dtype == np.bool_ else dtype
+
+
+def _as_requested(out: jax.Array, compressor: Compressor, mean: bool, axis_size: int):
+    """The compressor's sum or mean (``returns_mean``) as the one the caller asked for."""
+    if mean == compressor.returns_mean:
+        return out
+    return out / axis_size if mean else out * axis_size
+
+
+def _fallback_leaves(fallback: PyTree, leaves: list, treedef) -> list:
+    """``fallback``'s leaves, checked against the tree's (structure and shapes)."""
+    fallback_leaves, fallback_def = jax.tree_util.tree_flatten(fallback)
+    if fallback_def != treedef:
+        raise ValueError(
+            f"jaxcomm: fallback must have the tree's structure {treedef}, got {fallback_def}"
+        )
+    for i, (f, x) in enumerate(zip(fallback_leaves, leaves, strict=True)):
+        if np.shape(f) != np.shape(x):
+            raise ValueError(
+                f"jaxcomm: fallback leaf {i} has shape {np.shape(f)}, the tree's {np.shape(x)}"
+            )
+    return fallback_leaves
+
+
+def reduce_tree(
+    tree, state, axis_name, compressor, bucket_bytes, *, mean: bool, op: StateOp, fallback=None
+):
+    """All-reduce (concatenated layout) or reduce-scatter (rank-major rows) of every bucket.
+
+    Returns the reduced tree, the new state and, with a ``fallback`` tree (all-reduce means
+    only), the floating buckets' flags (whether each mean was finite, else it is fallback's).
+    """
+    axis_size = bound_axis_size(axis_name)
+    leaves, treedef, buckets = plan_tree(tree, compressor, bucket_bytes)
+    fallback_leaves = None if fallback is None else _fallback_leaves(fallback, leaves, treedef)
+    scatter = op == "reduce_scatter"
+    local, restore = as_local_block(state, compressor, buckets, axis_size, op)
+    checked = check_state(local, compressor, buckets, axis_name, axis_size, op, bucket_bytes)
+    # A compressor that computes in the (1, *local) block layout gets the blocks themselves, so
+    # that XLA updates the donated buffers in place (a squeeze and its inverse around the update
+    # cost a fresh buffer and a copy per state leaf on XLA:CPU).
+    blocks = local is not state and not scatter and compressor.takes_state_blocks
+    bucket_states = state.buckets if blocks else checked.buckets
+    finites, mean_finites = [], []
+
+    def one_bucket(bucket, bucket_state):
+        comp = EXACT if bucket.exact else compressor
+        if scatter and (comp.scatter_layout == "rank_major" or bucket.numel == 0):
+            buf = flatten_bucket_rank_major(leaves, bucket, axis_size)
+        else:
+            buf = flatten_bucket(leaves, bucket)
+        if bucket.exact:
+            buf = buf.astype(_exact_dtype(buf.dtype))
+        guarded = not (bucket.exact or state is None or not jax.tree_util.tree_leaves(bucket_state))
+        if bucket.numel == 0:
+            # Nothing to send. All-reduce: a fresh constant, typed replicated like a psum result;
+            # reduce-scatter: this device's (empty) row.
+            out = buf[0] if scatter else jnp.zeros((0,), buf.dtype)
+            out = _as_requested(out, comp, mean, axis_size)
+        elif fallback_leaves is not None and not bucket.exact:
+            kept = [fallback_leaves[i].astype(buf.dtype) for i in bucket.leaf_ids]
+            if guarded:
+                parts, bucket_state, finite = comp.guarded_all_reduce_leaves(
+                    buf, bucket_state, bucket, kept, axis_name=axis_name, axis_size=axis_size
+                )
+                finites.append(finite)
+            else:
+                out, bucket_state = comp.all_reduce_bucket(
+                    buf, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size
+                )
+                parts, finite = mean_or_fallback(
+                    _as_requested(out, comp, True, axis_size), bucket, kept
+                )
+            mean_finites.append(finite)
+            return [p.astype(d) for p, d in zip(parts, bucket.dtypes, strict=True)], bucket_state
+        else:
+            if not guarded:
+                run = comp.reduce_scatter_bucket if scatter else comp.all_reduce_bucket
+                out, bucket_state = run(
+                    buf, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size
+                )
+            else:  # each bucket guards its own state (no flag shared by all buckets)
+                run = (
+                    comp.guarded_reduce_scatter_bucket
+                    if scatter
+                    else comp.guarded_all_reduce_bucket
+                )
+                out, bucket_state, finite = run(
+                    buf, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size
+                )
+                finites.append(finite)
+            out = _as_requested(out, comp, mean, axis_size)
+        dtypes = [out.dtype] * len(bucket.leaf_ids) if bucket.exact else bucket.dtypes
+        if scatter:
+            pieces = split_shard(out, bucket, axis_size)
+            return [p.astype(d) for p, d in zip(pieces, dtypes, strict=True)], bucket_state
+        return unflatten_bucket(out, bucket, dtypes), bucket_state
+
+    out, new_states = map_buckets(one_bucket, buckets, len(leaves), bucket_states)
+    kept = (
+        keep_finite(state, new_states, finites)
+        if blocks
+        else restore(keep_finite(local, new_states, finites))
+    )
+    return jax.tree_util.tree_unflatten(treedef, out), kept, mean_finites

@@ -2,7 +2,8 @@
 
 ``_base`` (the :class:`Compressor` interface, exact :class:`NoCompression`), ``_two_stage``
 (two-stage error feedback, the fp32-reduction skeleton), ``onebit``, ``quantize``, ``cast``,
-``powersgd``, ``topk``. Public names are exported from :mod:`jaxcomm`.
+``powersgd``, ``topk``, ``sparseloco`` (its chunking and wire codes in ``chunks``). Public names
+are exported from :mod:`jaxcomm`.
 """
 
 from jaxcomm.compressors._base import Compressor as Compressor
@@ -26,5 +27,7 @@ from jaxcomm.compressors.quantize import block_layout as block_layout
 from jaxcomm.compressors.quantize import pack_int4 as pack_int4
 from jaxcomm.compressors.quantize import quantize_blocks as quantize_blocks
 from jaxcomm.compressors.quantize import unpack_int4 as unpack_int4
+from jaxcomm.compressors.sparseloco import SparseLoCo as SparseLoCo
+from jaxcomm.compressors.sparseloco import SparseLoCoState as SparseLoCoState
 from jaxcomm.compressors.topk import TopK as TopK
 from jaxcomm.compressors.topk import TopKState as TopKState

@@ -1,0 +1,136 @@
+"""Chunks of a tensor and the compact codes of sparse, quantized parts of them.
+
+The chunking of DeMo (Peng et al., 2024, arXiv:2411.19870, ``TransformDCT``) and SparseLoCo
+(Sarfi et al., 2025, arXiv:2508.15706): a tensor is viewed as a matrix ``(rows, cols)``
+(``(1, size)`` for a vector or a scalar, ``(shape[0], prod(shape[1:]))`` above two dims) and cut
+into ``h x w`` tiles, ``h`` the largest divisor of ``rows`` that is ``<= chunk_size`` (1 for a
+vector), ``w`` the largest divisor of ``cols`` that is ``<= chunk_size``. Tile ``t`` (row-major
+over the tile grid) flattened row-major is chunk ``t``; an element's *offset* is its position in
+its chunk, below ``h w <= chunk_size^2``.
+
+Wire codes (little-endian bit order):
+
+* :func:`pack_uint12`: two offsets below 4096 in three bytes (``a`` in the first 12 bits, ``b``
+  in the next 12), so an offset costs 12 bits;
+* :func:`pack_codes`: ``8 / bits`` codes of ``bits`` bits per byte, code ``j`` of a byte in its
+  bits ``[bits j, bits (j + 1))``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def largest_divisor(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is ``<= limit`` (1 for ``n <= 1``)."""
+    return max((d for d in range(1, min(n, limit) + 1) if n % d == 0), default=1)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How one tensor is cut into chunks (static).
+
+    Attributes:
+      rows, cols: its matrix view.
+      h, w: the tile (``h w`` elements per chunk).
+      k: values kept per chunk (0 for an empty tensor).
+    """
+
+    rows: int
+    cols: int
+    h: int
+    w: int
+    k: int
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def length(self) -> int:
+        """Elements per chunk."""
+        return self.h * self.w
+
+    @property
+    def chunks(self) -> int:
+        return (self.rows // self.h) * (self.cols // self.w) if self.size else 0
+
+    @property
+    def kept(self) -> int:
+        """Values kept in the whole tensor."""
+        return self.chunks * self.k
+
+
+def chunk_plan(shape: tuple[int, ...], chunk_size: int, top_k: int) -> ChunkPlan:
+    """The chunks of a tensor of ``shape``, keeping ``k = max(1, round(h w top_k /
+    chunk_size^2))`` values per chunk (at most ``h w``): ``top_k`` per full square tile."""
+    size = math.prod(shape)
+    rows = shape[0] if len(shape) >= 2 else 1
+    cols = size // rows if rows else 0
+    h = largest_divisor(rows, chunk_size) if len(shape) >= 2 else 1
+    w = largest_divisor(cols, chunk_size)
+    k = min(h * w, max(1, round(h * w * top_k / chunk_size**2))) if size else 0
+    return ChunkPlan(rows, cols, h, w, k)
+
+
+def to_chunks(x: jax.Array, plan: ChunkPlan) -> jax.Array:
+    """The ``(chunks, h w)`` view of a tensor's ``(size,)`` values."""
+    grid = x.reshape(plan.rows // plan.h, plan.h, plan.cols // plan.w, plan.w)
+    return grid.transpose(0, 2, 1, 3).reshape(plan.chunks, plan.length)
+
+
+def from_chunks(chunks: jax.Array, plan: ChunkPlan) -> jax.Array:
+    """Inverse of :func:`to_chunks`: the tensor's ``(size,)`` values."""
+    grid = chunks.reshape(plan.rows // plan.h, plan.cols // plan.w, plan.h, plan.w)
+    return grid.transpose(0, 2, 1, 3).reshape(plan.size)
+
+
+def chunk_positions(offsets: jax.Array, plan: ChunkPlan) -> jax.Array:
+    """Positions in the tensor's ``(size,)`` values of ``offsets`` ``(..., chunks, k)``
+    (int32), offset ``o`` of chunk ``t`` being element ``(o // w, o % w)`` of tile ``t``."""
+    tiles_per_row = plan.cols // plan.w
+    t = jnp.arange(plan.chunks, dtype=jnp.int32)[:, None]
+    row = (t // tiles_per_row) * plan.h + offsets // plan.w
+    col = (t % tiles_per_row) * plan.w + offsets % plan.w
+    return row * plan.cols + col
+
+
+def pack_uint12(values: jax.Array) -> jax.Array:
+    """``(K,)`` ints in ``[0, 4096)`` -> ``(3 ceil(K / 2),)`` uint8 (a zero is added for odd
+    ``K``)."""
+    v = values.astype(jnp.int32)
+    if v.shape[0] % 2:
+        v = jnp.concatenate([v, jnp.zeros((1,), jnp.int32)])
+    a, b = v[0::2], v[1::2]
+    packed = jnp.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], axis=-1)
+    return packed.reshape(-1).astype(jnp.uint8)
+
+
+def unpack_uint12(packed: jax.Array, count: int) -> jax.Array:
+    """Inverse of :func:`pack_uint12` over the last axis: ``(..., count)`` int32."""
+    p = packed.astype(jnp.int32).reshape(*packed.shape[:-1], -1, 3)
+    a = p[..., 0] | ((p[..., 1] & 0xF) << 8)
+    b = (p[..., 1] >> 4) | (p[..., 2] << 4)
+    return jnp.stack([a, b], axis=-1).reshape(*packed.shape[:-1], -1)[..., :count]
+
+
+def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
+    """``(K,)`` codes in ``[0, 2^bits)`` -> ``(ceil(K bits / 8),)`` uint8."""
+    per = 8 // bits
+    c = codes.astype(jnp.uint8)
+    c = jnp.pad(c, (0, -c.shape[0] % per)).reshape(-1, per)
+    shifts = jnp.arange(per, dtype=jnp.uint8) * np.uint8(bits)
+    return jnp.sum(c << shifts, axis=-1, dtype=jnp.uint8)
+
+
+def unpack_codes(packed: jax.Array, bits: int, count: int) -> jax.Array:
+    """Inverse of :func:`pack_codes` over the last axis: ``(..., count)`` int32."""
+    per = 8 // bits
+    shifts = jnp.arange(per, dtype=jnp.uint8) * np.uint8(bits)
+    codes = (packed[..., None] >> shifts) & np.uint8(2**bits - 1)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :count].astype(jnp.int32)

@@ -1,0 +1,646 @@
+"""Compile jaxcomm's train steps for TPU on a machine without one: memory, collectives, overlap.
+
+Each method's ``jc.make_train_step`` program (the phase that communicates, e.g. 1-bit Adam
+after its freeze) is compiled ahead of time for TPU topologies given by
+``jax.experimental.topologies`` (no TPU attached: only libtpu's compiler runs), on a GPT-2
+small sized transformer (about 125M parameters by default), bucketed with ``--bucket-bytes``.
+For every compile it records:
+
+* whether it compiles (or the error), compile seconds, peak memory per device
+  (``compiled.memory_analysis()``);
+* every collective of the compiled HLO (``jaxcomm.inspect.collectives_in_hlo``): kind, dtype,
+  bytes each device sends (ring/pairwise model, see ``jaxcomm.inspect``);
+* whether it is asynchronous (a start/done pair, or an ``async-start``/``async-done`` around
+  it) and how many compute instructions the scheduler placed between its start and its done.
+  The *overlap fraction* is the share of collective bytes with at least one compute
+  instruction scheduled in that window. It is read from the compiled schedule, not timed;
+* on a multislice topology, whether each collective's device groups span more than one slice
+  (``device.slice_index``): those bytes cross the data-centre network.
+
+``--flags default,async`` compiles each step twice: with libtpu's defaults and with the flags
+that make collectives asynchronous (``TPU_ASYNC_FLAGS`` below, passed as per-program
+``compiler_options``, the same settings ``LIBTPU_INIT_ARGS`` takes).
+
+Phases: the steps are phase-specialised (one program per phase of the optimizer's schedule).
+Which phase values a given step count runs is read by running the same optimizer, with the
+same schedule, on a tiny copy of the model on CPU devices; the full-size program is then
+compiled for those values only.
+
+Needs ``jax[tpu]`` (libtpu) next to jaxcomm, e.g. in a separate venv::
+
+    python3 -m venv /tmp/tpu-venv && /tmp/tpu-venv/bin/pip install "jax[tpu]==0.10.2" optax
+    /tmp/tpu-venv/bin/pip install --no-deps -e .
+    /tmp/tpu-venv/bin/python benchmarks/aot_report.py [--topologies v5e:2x2,v5p:2x2x1,v5e:2x2x2s]
+        [--methods adam,onebit_mean,onebit_adam,zero_one_adam,diloco_int4,sharded_int8]
+        [--layers 12] [--flags default,async] [--out DIR] [--json OUT]
+
+``v5e:2x2x2s`` means two slices of ``v5e:2x2`` (``num_slices=2``). The JSON (command, versions,
+machine, date, every row) and each compiled HLO go into ``--out``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from importlib import metadata  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxcomm as jc  # noqa: E402
+from jaxcomm.inspect import DTYPE_BYTES, collectives_in_hlo, num_devices, replica_groups  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# Flags. Sources (read in the repositories, see the report):
+#   AI-Hypercomputer/maxtext benchmarks/xla_flags_library.py, CF_FOR_ALL_GATHER and
+#     CF_FOR_ALL_REDUCE ("continuation fusion": async collectives overlapped with compute);
+#   jax-ml/jax's async-collective tests (jax.jit(compiler_options={
+#     'xla_tpu_enable_async_all_to_all': 'true'}) for an async all-to-all on TPU), and the
+#     same flag in TPU recipe scripts next to the MaxText ones.
+TPU_ASYNC_FLAGS: dict[str, str] = {
+    "xla_tpu_enable_async_collective_fusion": "true",
+    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": "true",
+    "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": "true",
+    "xla_tpu_enable_async_collective_fusion_multiple_steps": "true",
+    "xla_tpu_overlap_compute_collective_tc": "true",
+    "xla_enable_async_all_gather": "true",
+    "xla_enable_async_all_reduce": "true",
+    "xla_tpu_enable_async_all_to_all": "true",
+}
+FLAG_SETS: dict[str, dict[str, str]] = {"default": {}, "async": TPU_ASYNC_FLAGS}
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: a GPT-2 style decoder (pre-LayerNorm, fused qkv, tied embedding), bf16 compute on
+# fp32 parameters, layers unrolled (so that each layer's gradients exist before the next
+# layer's backward pass ends: what bucketed collectives can overlap with).
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    layers: int = 12
+    width: int = 768
+    heads: int = 12
+    vocab: int = 50304
+    seq: int = 1024
+    batch_per_device: int = 4
+
+    def param_shapes(self) -> dict:
+        d, f = self.width, jax.ShapeDtypeStruct
+
+        def s(*shape):
+            return f(shape, jnp.float32)
+
+        block = dict(
+            ln1_g=s(d), ln1_b=s(d), qkv_w=s(d, 3 * d), qkv_b=s(3 * d), proj_w=s(d, d),
+            proj_b=s(d), ln2_g=s(d), ln2_b=s(d), fc_w=s(d, 4 * d), fc_b=s(4 * d),
+            out_w=s(4 * d, d), out_b=s(d),
+        )  # fmt: skip
+        blocks = {f"h{i:02d}": dict(block) for i in range(self.layers)}
+        return dict(wte=s(self.vocab, d), wpe=s(self.seq, d), blocks=blocks, lnf_g=s(d), lnf_b=s(d))
+
+    def init(self, key: jax.Array) -> dict:
+        shapes = self.param_shapes()
+        leaves, tree = jax.tree.flatten(shapes)
+        keys = jax.random.split(key, len(leaves))
+        values = [
+            0.02 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)
+        ]
+        return jax.tree.unflatten(tree, values)
+
+    def num_params(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.param_shapes()))
+
+
+def _layer_norm(x, g, b):
+    x = x.astype(jnp.float32)
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return ((x - mean) * jax.lax.rsqrt(var + 1e-5) * g + b).astype(jnp.bfloat16)
+
+
+def make_loss(cfg: ModelConfig) -> Callable:
+    def bf(w):
+        return w.astype(jnp.bfloat16)
+
+    def loss_fn(p, tokens):
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        s, d, h = x.shape[1], cfg.width, cfg.heads
+        act = (p["wte"][x] + p["wpe"][None, :s]).astype(jnp.bfloat16)
+        causal = jnp.tril(jnp.ones((s, s), bool))
+        for name in sorted(p["blocks"]):
+            blk = p["blocks"][name]
+            a = _layer_norm(act, blk["ln1_g"], blk["ln1_b"])
+            qkv = (a @ bf(blk["qkv_w"]) + bf(blk["qkv_b"])).reshape(*a.shape[:2], 3, h, d // h)
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            att = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / (d // h) ** 0.5
+            att = jax.nn.softmax(jnp.where(causal, att, -1e9), -1).astype(jnp.bfloat16)
+            o = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(a.shape)
+            act = act + o @ bf(blk["proj_w"]) + bf(blk["proj_b"])
+            a = _layer_norm(act, blk["ln2_g"], blk["ln2_b"])
+            hidden = jax.nn.gelu(a @ bf(blk["fc_w"]) + bf(blk["fc_b"]))
+            act = act + hidden @ bf(blk["out_w"]) + bf(blk["out_b"])
+        act = _layer_norm(act, p["lnf_g"], p["lnf_b"])
+        logits = (act @ bf(p["wte"]).T).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return loss_fn
+
+
+# ---------------------------------------------------------------------------------------------
+# The methods, as a user would write them. Each gives the optimizer and the step counts whose
+# programs are compiled (a short schedule, so the phases are reached in a few tiny CPU steps;
+# the compiled program of a phase does not depend on the count).
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    what: str
+    make: Callable[[int | None], optax.GradientTransformation]  # bucket_bytes -> tx
+    counts: dict[str, int]  # label -> step count whose phase is compiled
+
+
+def methods() -> dict[str, Method]:
+    ms = [
+        Method(
+            "adam", "exact mean + Adam",
+            lambda b: optax.chain(
+                jc.compressed_mean("dp", jc.NoCompression(), b), optax.adam(1e-3)
+            ),
+            {"step": 0},
+        ),
+        Method(
+            "onebit_mean", "compressed_mean(OneBit) + Adam",
+            lambda b: optax.chain(
+                jc.compressed_mean("dp", jc.OneBit(), b, warmup_steps=2), optax.adam(1e-3)
+            ),
+            {"compressed": 3},
+        ),
+        Method(
+            "onebit_adam", "1-bit Adam (after the freeze)",
+            lambda b: jc.onebit_adam(1e-3, freeze_step=2, axis_name="dp", bucket_bytes=b),
+            {"compressed": 4},
+        ),
+        Method(
+            "zero_one_adam", "0/1 Adam (1-bit step; sync after the freeze)",
+            lambda b: jc.zero_one_adam(
+                1e-3, var_freeze_step=4, var_update_scaler=1, local_step_scaler=1,
+                axis_name="dp", bucket_bytes=b,
+            ),
+            {"onebit": 2, "sync": 5},
+        ),
+        Method(
+            "diloco_int4", "DiLoCo H=4, int4 + EF outer gradients (sync step)",
+            lambda b: jc.diloco(
+                optax.adam(1e-3), optax.sgd(0.7, momentum=0.9, nesterov=True), 4, "dp",
+                compressor=jc.Quantize(bits=4, error_feedback=True), bucket_bytes=b,
+            ),
+            {"sync": 3},
+        ),
+        Method(
+            "sharded_int8", "jc.sharded Adam, int8 grads + int8 weights",
+            lambda b: jc.sharded(
+                optax.adam(1e-3), "dp", compressor=jc.Quantize(bits=8),
+                gather_compressor=jc.Quantize(bits=8), bucket_bytes=b,
+            ),
+            {"step": 0},
+        ),
+    ]  # fmt: skip
+    return {m.name: m for m in ms}
+
+
+def phases_by_count(method: Method, n: int, bucket_bytes: int | None) -> dict[int, tuple]:
+    """The phase values of steps ``0..max(counts)``, from a tiny copy of the model on ``n``
+    CPU devices (the schedule, not the model, decides them)."""
+    tiny = ModelConfig(layers=1, width=32, heads=2, vocab=64, seq=16, batch_per_device=2)
+    cpu = jax.devices("cpu")
+    if len(cpu) < n:
+        raise RuntimeError(f"need {n} CPU devices for the phase probe, have {len(cpu)}")
+    mesh = jax.sharding.Mesh(np.array(cpu[:n]), ("dp",))
+    tx = method.make(None if bucket_bytes is None else 1024)
+    step, state = jc.make_train_step(mesh, "dp", make_loss(tiny), tx, tiny.init(jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    out = {}
+    for count in range(max(method.counts.values()) + 1):
+        batch = rng.integers(0, tiny.vocab, (n * tiny.batch_per_device, tiny.seq + 1))
+        batch = batch.astype(np.int32)
+        out[count] = step.phases(state, batch)
+        state, _ = step(state, batch)
+    jax.block_until_ready(state)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Topologies.
+
+
+def topology(name: str):
+    """``(mesh, devices)`` for ``name``: a topology string, ``...x2s`` for two slices."""
+    from jax.experimental import topologies
+
+    slices = 1
+    m = re.fullmatch(r"(.+)x(\d+)s", name)
+    if m:
+        name, slices = m.group(1), int(m.group(2))
+    kw = {"num_slices": slices} if slices > 1 else {}
+    topo = topologies.get_topology_desc(name, "tpu", **kw)
+    n = len(topo.devices)
+    mesh = topologies.make_mesh(topo, (n,), ("dp",))
+    return mesh, list(mesh.devices.flat)
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedule analysis of compiled HLO text.
+
+_COMP_HEAD = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
+_OPCODE = re.compile(r"\s(?P<op>[a-z][\w\-]*)\(")
+# Instructions that move no data through the compute units (bookkeeping, not overlap).
+_NOT_COMPUTE = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+    "opt-barrier", "partition-id", "replica-id", "copy-start", "copy-done", "add-dependency",
+}  # fmt: skip
+_COLLECTIVES = (
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+    "collective-broadcast", "ragged-all-to-all",
+)  # fmt: skip
+
+
+def _computations(text: str) -> dict[str, list[tuple[str, str, str]]]:
+    """computation name -> [(instruction name, opcode, line)] in schedule order."""
+    comps: dict[str, list] = {}
+    current = None
+    for line in text.splitlines():
+        if current is None:
+            m = _COMP_HEAD.match(line)
+            if m and not line.startswith(" ") and "=" not in line.split("(")[0]:
+                current = m.group("name")
+                comps[current] = []
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        d = _DEF.match(line)
+        if not d:
+            continue
+        c = _OPCODE.search(" " + d.group("rest"))
+        if c:
+            comps[current].append((d.group("name"), c.group("op"), line))
+    return comps
+
+
+def _is_async_start(op: str) -> bool:
+    return op.endswith("-start") and op not in ("copy-start",)
+
+
+def schedule_of_collectives(text: str) -> list[dict]:
+    """Each collective of ``text`` with its async window: ``async`` (in a start/done pair),
+    ``between`` (compute instructions scheduled inside the window), in program order."""
+    comps = _computations(text)
+    called_by: dict[str, tuple[str, str]] = {}  # computation -> (caller comp, instr name)
+    for cname, instrs in comps.items():
+        for name, _op, line in instrs:
+            for callee in re.findall(
+                r"(?:calls|to_apply|async_execution_thread=\S+ calls)=%?"
+                r"([\w.\-]+)",
+                line,
+            ):
+                called_by.setdefault(callee, (cname, name))
+    out = []
+    for cname, instrs in comps.items():
+        for i, (name, op, line) in enumerate(instrs):
+            base = op[: -len("-start")] if op.endswith("-start") else op
+            if base not in _COLLECTIVES:
+                continue
+            window_comp, start_name, start_idx = cname, name, i
+            is_async = op.endswith("-start")
+            if not is_async and cname in called_by:
+                # A collective inside a computation run by an async-start (TPU wraps async
+                # collectives so): the window is the wrapper's, in the caller.
+                caller, wrapper = called_by[cname]
+                idx = [n for n, _, _ in comps[caller]].index(wrapper)
+                if _is_async_start(comps[caller][idx][1]):
+                    window_comp, start_name, start_idx, is_async = caller, wrapper, idx, True
+            between = 0
+            if is_async:
+                seq = comps[window_comp]
+                for j in range(start_idx + 1, len(seq)):
+                    n2, op2, line2 = seq[j]
+                    if op2.endswith("-done") and re.search(rf"%{re.escape(start_name)}\b", line2):
+                        break
+                    if op2 not in _NOT_COMPUTE and not op2.endswith(("-start", "-done")):
+                        between += 1
+            out.append(
+                dict(name=name, op=base, computation=cname, window=window_comp,
+                     is_async=is_async, between=between, line=line.strip())
+            )  # fmt: skip
+    return out
+
+
+def megascale_transfers(text: str) -> list[dict]:
+    """The cross-slice (DCN) traffic of a multislice program: libtpu compiles one program per
+    slice, whose HLO collectives stay inside the slice, and sends what crosses slices as host
+    transfers handled by ``xla_megascale_runtime`` (``send``/``recv`` pairs)."""
+    out = []
+    for instrs in _computations(text).values():
+        names = [n for n, _, _ in instrs]
+        for i, (name, op, line) in enumerate(instrs):
+            if op not in ("send", "recv") or "xla_megascale" not in line:
+                continue
+            # (payload, u32[], token[]) send(...): the payload is the first array.
+            shape = line.split("=", 1)[1].split(f" {op}(", 1)[0]
+            arrays = re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", shape)[:1]
+            nbytes = sum(
+                int(np.prod([int(x) for x in dims.split(",") if x] or [1])) * DTYPE_BYTES.get(dt, 0)
+                for dt, dims in arrays
+            )
+            between = 0
+            for j in range(i + 1, len(instrs)):
+                n2, op2, line2 = instrs[j]
+                if op2 == f"{op}-done" and re.search(rf"%{re.escape(name)}\b", line2):
+                    break
+                if op2 not in _NOT_COMPUTE and op2 not in ("send", "recv", f"{op}-done"):
+                    between += 1
+            out.append(dict(op=op, dtypes=sorted({a[0] for a in arrays}), bytes=int(nbytes),
+                            between=between, index=names.index(name)))  # fmt: skip
+    return out
+
+
+def analyse(text: str, devices: list) -> dict:
+    """Collectives (kind, dtype, bytes), their overlap and their slice crossings."""
+    ops = collectives_in_hlo(text)
+    sched = {s["line"]: s for s in schedule_of_collectives(text)}
+    slices = [getattr(d, "slice_index", 0) or 0 for d in devices]
+    if num_devices(text) < len(devices):
+        # One program per slice: replica groups index one slice's devices (ICI only).
+        slices = [0] * len(devices)
+    dcn = megascale_transfers(text)
+    rows = []
+    for o in ops:
+        s = sched.get(o.line, {})
+        groups = replica_groups(o.line, len(devices))
+        crosses = any(len({slices[i] for i in g if i < len(slices)}) > 1 for g in groups)
+        rows.append(
+            dict(op=o.op, dtypes=list(o.dtypes), payload_bytes=o.payload_bytes,
+                 group_size=o.group_size, wire_bytes=o.wire_bytes,
+                 is_async=bool(s.get("is_async")), between=int(s.get("between", 0)),
+                 crosses_slices=crosses,
+                 op_name=(re.search(r'op_name="([^"]*)"', o.line) or [None, ""])[1][-80:])
+        )  # fmt: skip
+    total = sum(r["wire_bytes"] for r in rows)
+    overlapped = sum(r["wire_bytes"] for r in rows if r["is_async"] and r["between"] > 0)
+    by_kind: dict[str, dict] = {}
+    for r in rows:
+        key = f"{r['op']}:{'/'.join(r['dtypes'])}"
+        k = by_kind.setdefault(key, dict(count=0, wire_bytes=0.0, async_count=0))
+        k["count"] += 1
+        k["wire_bytes"] += r["wire_bytes"]
+        k["async_count"] += r["is_async"]
+    return dict(
+        collectives=rows,
+        by_kind=by_kind,
+        wire_bytes=total,
+        async_pairs=sum(r["is_async"] for r in rows),
+        overlap_fraction=(overlapped / total) if total else None,
+        cross_slice_bytes=sum(r["wire_bytes"] for r in rows if r["crosses_slices"])
+        + sum(t["bytes"] for t in dcn if t["op"] == "send"),
+        dcn_sends=[t for t in dcn if t["op"] == "send"],
+        dcn_send_dtypes=sorted({d for t in dcn if t["op"] == "send" for d in t["dtypes"]}),
+        dcn_send_overlap_fraction=(
+            sum(t["bytes"] for t in dcn if t["op"] == "send" and t["between"] > 0)
+            / max(sum(t["bytes"] for t in dcn if t["op"] == "send"), 1)
+        )
+        if dcn
+        else None,
+    )
+
+
+def peak_bytes(compiled) -> int | None:
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    peak = getattr(m, "peak_memory_in_bytes", 0) or 0
+    if peak:
+        return int(peak)
+    return int(
+        m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# One method on one topology.
+
+
+def abstract_step(mesh, method: Method, cfg: ModelConfig, bucket_bytes: int | None):
+    """``(step, state, batch)``: the user's ``jc.make_train_step`` on ``mesh``, its state and a
+    batch as ``ShapeDtypeStruct``s placed on ``mesh``. ``make_train_step`` runs under
+    ``jax.eval_shape``, so its initial state is traced, never computed (no TPU is attached)."""
+    made = {}
+    tx = method.make(bucket_bytes)
+
+    def build(params):
+        step, state = jc.make_train_step(mesh, "dp", make_loss(cfg), tx, params)
+        made["step"] = step
+        return state
+
+    state = jax.eval_shape(build, cfg.param_shapes())
+    specs = jc.train_state_specs(state, "dp")
+    state = jax.tree.map(
+        lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)),
+        state,
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    n = mesh.devices.size
+    batch = jax.ShapeDtypeStruct(
+        (n * cfg.batch_per_device, cfg.seq + 1), jnp.int32, sharding=NamedSharding(mesh, P("dp"))
+    )
+    return made["step"], state, batch
+
+
+def compile_one(step, phases: tuple, state, batch, flags: dict[str, str]):
+    t0 = time.perf_counter()
+    lowered = step.program(phases).lower(state, batch)
+    compiled = lowered.compile(compiler_options=dict(flags)) if flags else lowered.compile()
+    return compiled, time.perf_counter() - t0
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for pkg in ("jax", "jaxlib", "libtpu", "optax", "jaxcomm"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _fmt_bytes(b) -> str:
+    if b is None:
+        return "-"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(b) >= div:
+            return f"{b / div:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (
+        f"{'method':<14}{'phase':<11}{'topology':<12}{'flags':<8}{'ok':<4}{'compile s':>10}"
+        f"{'peak/dev':>11}{'wire/dev':>11}{'async':>7}{'overlap':>9}{'DCN/dev':>11}{'DCN ovl':>9}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        a = r.get("analysis") or {}
+        ov = a.get("overlap_fraction")
+        n_coll = len(a.get("collectives", []))
+        print(
+            f"{r['method']:<14}{r['phase']:<11}{r['topology']:<12}{r['flags']:<8}"
+            f"{'yes' if r['compiles'] else 'NO':<4}{r.get('compile_s', 0):>10.1f}"
+            f"{_fmt_bytes(r.get('peak_bytes')):>11}{_fmt_bytes(a.get('wire_bytes')):>11}"
+            f"{(str(a.get('async_pairs', 0)) + '/' + str(n_coll)) if a else '-':>7}"
+            f"{('-' if ov is None else f'{ov:.0%}'):>9}"
+            f"{_fmt_bytes(a.get('cross_slice_bytes')) if r['slices'] > 1 else '-':>11}"
+            f"{_pct(a.get('dcn_send_overlap_fraction')) if r['slices'] > 1 else '-':>9}"
+        )
+    print()
+    print("collectives by kind (count, async count, bytes per device):")
+    for r in rows:
+        a = r.get("analysis")
+        if not a:
+            print(f"  {r['method']}/{r['phase']} {r['topology']} {r['flags']}: {r.get('error')}")
+            continue
+        kinds = ", ".join(
+            f"{k} x{v['count']} ({v['async_count']} async) {_fmt_bytes(v['wire_bytes'])}"
+            for k, v in sorted(a["by_kind"].items())
+        )
+        print(f"  {r['method']}/{r['phase']} {r['topology']} {r['flags']}: {kinds}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--topologies", default="v5e:2x2,v5p:2x2x1,v5e:2x2x2s")
+    p.add_argument("--methods", default=",".join(methods()))
+    p.add_argument("--flags", default="default,async", help="flag sets: default, async")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--batch-per-device", type=int, default=4)
+    p.add_argument("--bucket-bytes", type=int, default=25 << 20, help="0: one bucket per dtype")
+    p.add_argument("--out", default="/tmp/jaxcomm-aot", help="folder for the JSON and the HLO")
+    p.add_argument("--json", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+
+    cfg = ModelConfig(
+        layers=args.layers, width=args.width, heads=max(args.width // 64, 1), seq=args.seq,
+        vocab=args.vocab,
+        batch_per_device=args.batch_per_device,
+    )  # fmt: skip
+    bucket = args.bucket_bytes or None
+    table = methods()
+    unknown = [m for m in args.methods.split(",") if m not in table]
+    if unknown:
+        p.error(f"unknown methods {unknown}; known: {sorted(table)}")
+    os.makedirs(args.out, exist_ok=True)
+    print(f"model: {cfg.num_params() / 1e6:.1f}M parameters, {cfg}, bucket_bytes={bucket}")
+
+    rows: list[dict] = []
+    phase_cache: dict[tuple[str, int], dict[int, tuple]] = {}
+    for topo_name in args.topologies.split(","):
+        mesh, devices = topology(topo_name)
+        n = len(devices)
+        n_slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
+        for mname in args.methods.split(","):
+            method = table[mname]
+            if (mname, n) not in phase_cache:
+                phase_cache[(mname, n)] = phases_by_count(method, n, bucket)
+            step, state, batch = abstract_step(mesh, method, cfg, bucket)
+            for label, count in method.counts.items():
+                phases = phase_cache[(mname, n)][count]
+                for flag_name in args.flags.split(","):
+                    row = dict(
+                        method=mname, what=method.what, phase=label, phase_values=list(phases),
+                        topology=topo_name, devices=n, slices=n_slices, flags=flag_name,
+                        compiler_options=FLAG_SETS[flag_name], device_kind=devices[0].device_kind,
+                    )  # fmt: skip
+                    try:
+                        flags = FLAG_SETS[flag_name]
+                        compiled, secs = compile_one(step, phases, state, batch, flags)
+                        text = compiled.as_text()
+                        fname = f"{mname}.{label}.{topo_name.replace(':', '_')}.{flag_name}.hlo.txt"
+                        with open(os.path.join(args.out, fname), "w") as f:
+                            f.write(text)
+                        row.update(
+                            compiles=True, compile_s=secs, peak_bytes=peak_bytes(compiled),
+                            hlo_file=fname, analysis=analyse(text, devices),
+                        )  # fmt: skip
+                    except Exception as e:  # noqa: BLE001 - the report records any failure
+                        row.update(compiles=False, error=f"{type(e).__name__}: {e}"[:2000])
+                    rows.append(row)
+                    a = row.get("analysis") or {}
+                    print(
+                        f"[{topo_name} {mname}/{label} {flag_name}] "
+                        f"{'ok' if row['compiles'] else 'FAILED'} "
+                        f"{row.get('compile_s', 0):.0f}s peak {_fmt_bytes(row.get('peak_bytes'))}"
+                        f" wire {_fmt_bytes(a.get('wire_bytes'))} overlap "
+                        f"{a.get('overlap_fraction')}",
+                        flush=True,
+                    )
+
+                    _write(args, cfg, bucket, rows)
+
+    print()
+    print_table(rows)
+    _write(args, cfg, bucket, rows)
+    print(f"\nJSON and HLO in {args.out}")
+    return 0
+
+
+def _write(args, cfg: ModelConfig, bucket: int | None, rows: list[dict]) -> None:
+    report = dict(
+        command=" ".join([sys.executable, *sys.argv]),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        machine=dict(platform=platform.platform(), processor=platform.machine(),
+                     cpus=os.cpu_count()),
+        versions=_versions(),
+        model=dict(cfg.__dict__, parameters=cfg.num_params()),
+        bucket_bytes=bucket,
+        flag_sets=FLAG_SETS,
+        overlap_definition=(
+            "share of the collectives' bytes per device whose collective is asynchronous and "
+            "has at least one compute instruction scheduled between its start and its done"
+        ),
+        rows=rows,
+    )  # fmt: skip
+    for path in filter(None, (os.path.join(args.out, "aot_report.json"), args.json)):
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""A bucketed OneBit mean compiled for TPU v5e 2x2 with no TPU attached (libtpu's compiler).
+
+Skipped unless libtpu is installed (``pip install "jax[tpu]"``, about 0.7 GB; the normal suite
+does not need it). The bytes of the compiled collectives are checked against a count written
+from the wire format (README, "OneBit, exactly"), not against jaxcomm's own bucket plan.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm as jc
+from jaxcomm.inspect import collectives_in_hlo
+
+N = 4  # devices of a v5e 2x2 slice
+BUCKET_BYTES = 1024
+# Every leaf is larger than a bucket, so each is a bucket of its own whatever the packing.
+LEAF_SIZES = {"a": 300, "b": 500, "c": 1000}
+
+
+def _v5e_mesh():
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip('libtpu is not installed (pip install "jax[tpu]" to compile for TPU)')
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc("v5e:2x2", "tpu")
+    except Exception as e:  # noqa: BLE001 - any failure to load libtpu is a skip reason
+        pytest.skip(f"no TPU topology from libtpu: {type(e).__name__}: {e}")
+    return topologies.make_mesh(topo, (N,), ("dp",))
+
+
+def _signs_and_scale_bytes(numel: int, n: int) -> int:
+    """Bytes one OneBit stage sends for a bucket of ``numel`` fp32 values on ``n`` devices:
+    the bucket zero-padded to a multiple of ``8 n``, 8 signs per byte, and one fp32 scale
+    with each of the ``n`` chunks."""
+    padded = math.ceil(numel / (8 * n)) * 8 * n
+    return padded // 8 + 4 * n
+
+
+def test_bucketed_onebit_mean_compiles_for_v5e_with_packed_sign_bytes():
+    mesh = _v5e_mesh()
+    comp = jc.OneBit()
+    local = {k: jax.ShapeDtypeStruct((s,), jnp.float32) for k, s in LEAF_SIZES.items()}
+    state = jc.stack_per_device(
+        jc.init_state(comp, local, axis_size=N, bucket_bytes=BUCKET_BYTES), N
+    )
+    split = NamedSharding(mesh, P("dp"))
+
+    def placed(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split)
+
+    grads = {
+        k: jax.ShapeDtypeStruct((N * s,), jnp.float32, sharding=split)
+        for k, s in LEAF_SIZES.items()
+    }
+    state = jax.tree.map(placed, jax.eval_shape(lambda s: s, state))
+
+    def body(g, s):
+        return jc.compressed_pmean(g, s, axis_name="dp", compressor=comp, bucket_bytes=BUCKET_BYTES)
+
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=(P(), P("dp")))
+    )
+    compiled = fn.lower(grads, state).compile()
+    text = compiled.as_text()
+    ops = collectives_in_hlo(text)
+    print("\n".join(f"{o.op} {o.dtypes} {o.payload_bytes} B" for o in ops))
+
+    expected = sorted(_signs_and_scale_bytes(s, N) for s in LEAF_SIZES.values())
+    # Worker stage: one uint8 all-to-all per bucket, the signs and the scale, nothing wider.
+    a2a = sorted(o.payload_bytes for o in ops if o.op == "all-to-all")
+    assert all(o.dtypes == ("u8",) for o in ops if o.op == "all-to-all")
+    assert a2a == expected
+    # Server stage: the same bytes gathered from every device. libtpu 0.0.42 rewrites the
+    # gather as one all-reduce of zero-padded u32 buffers for all buckets, each bucket padded
+    # to whole 512-byte tiles (u32[128]): never fewer bytes than the gather, at most that.
+    gathered = [o for o in ops if o.op in ("all-gather", "all-reduce") and "f32" not in o.dtypes]
+    assert gathered and all(set(o.dtypes) <= {"u8", "u32", "s32"} for o in gathered)
+    total = sum(o.payload_bytes for o in gathered)
+    assert sum(expected) <= total <= sum(512 * math.ceil(b / 512) for b in expected)
+    # No collective carries the gradients in fp32 (only flags and counters may be fp32).
+    fp32 = sum(o.payload_bytes for o in ops if "f32" in o.dtypes)
+    assert fp32 <= 4 * N, f"{fp32} B of fp32 collectives: the gradients crossed uncompressed"
+    mem = compiled.memory_analysis()
+    assert mem is not None and mem.argument_size_in_bytes > 0

@@ -45,8 +45,10 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling needs no exclusive TPU
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -384,6 +386,24 @@ def megascale_transfers(text: str) -> list[dict]:
     return out
 
 
+def _done_shapes(text: str) -> dict[str, int]:
+    """start instruction name -> bytes of its ``-done``'s result."""
+    out = {}
+    for instrs in _computations(text).values():
+        for _name, op, line in instrs:
+            if not op.endswith("-done") or op in ("copy-done", "send-done", "recv-done"):
+                continue
+            m = re.search(rf"{re.escape(op)}\(%([\w.\-]+)", line)
+            shape = line.split("=", 1)[1].split(f" {op}(", 1)[0]
+            arrays = re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", shape)
+            if m:
+                out[m.group(1)] = sum(
+                    int(np.prod([int(x) for x in d.split(",") if x] or [1])) * DTYPE_BYTES.get(t, 0)
+                    for t, d in arrays
+                )
+    return out
+
+
 def analyse(text: str, devices: list) -> dict:
     """Collectives (kind, dtype, bytes), their overlap and their slice crossings."""
     ops = collectives_in_hlo(text)
@@ -393,9 +413,20 @@ def analyse(text: str, devices: list) -> dict:
         # One program per slice: replica groups index one slice's devices (ICI only).
         slices = [0] * len(devices)
     dcn = megascale_transfers(text)
+    done_shape = _done_shapes(text)
     rows = []
     for o in ops:
         s = sched.get(o.line, {})
+        if "-start(" in o.line and o.op != "all-reduce":
+            # An async start's shape is (operands, results, context scalars): TPU's carries two
+            # u32 scalars, which a half-split of the tuple would count as the payload. The
+            # matching done's shape is the result itself.
+            result = done_shape.get(s.get("name"), 0)
+            if result:
+                payload = result * (o.group_size if o.op == "reduce-scatter" else 1)
+                o = dataclasses.replace(o, payload_bytes=payload, wire_bytes=(
+                    payload if o.op == "collective-permute"
+                    else payload * (o.group_size - 1) / o.group_size))  # fmt: skip
         groups = replica_groups(o.line, len(devices))
         crosses = any(len({slices[i] for i in g if i < len(slices)}) > 1 for g in groups)
         rows.append(
@@ -554,7 +585,10 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-bytes", type=int, default=25 << 20, help="0: one bucket per dtype")
     p.add_argument("--out", default="/tmp/jaxcomm-aot", help="folder for the JSON and the HLO")
     p.add_argument("--json", default=None, help="also write the JSON here")
+    p.add_argument("--reanalyse", action="store_true", help="re-read the HLO files in --out")
     args = p.parse_args(argv)
+    if args.reanalyse:
+        return reanalyse(args.out)
 
     cfg = ModelConfig(
         layers=args.layers, width=args.width, heads=max(args.width // 64, 1), seq=args.seq,
@@ -618,6 +652,22 @@ def main(argv=None) -> int:
     print_table(rows)
     _write(args, cfg, bucket, rows)
     print(f"\nJSON and HLO in {args.out}")
+    return 0
+
+
+def reanalyse(out: str) -> int:
+    """Recomputes every row's analysis from the HLO files saved in ``out``."""
+    path = os.path.join(out, "aot_report.json")
+    with open(path) as f:
+        report = json.load(f)
+    for row in report["rows"]:
+        if row.get("hlo_file"):
+            _, devices = topology(row["topology"])
+            with open(os.path.join(out, row["hlo_file"])) as f:
+                row["analysis"] = analyse(f.read(), devices)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print_table(report["rows"])
     return 0
 
 

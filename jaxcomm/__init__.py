@@ -13,7 +13,7 @@ from jaxcomm.comm.scatter_gather import (
     compressed_psum_scatter,
     shard_shapes,
 )
-from jaxcomm.comm.state import ReduceState, ScatterState, init_state
+from jaxcomm.comm.state import ReduceState, ScatterState, init_state, register_per_device_type
 from jaxcomm.compressors import (
     Cast,
     Compressor,
@@ -33,40 +33,35 @@ from jaxcomm.compressors import (
     TwoStageScatterState,
     TwoStageState,
 )
+from jaxcomm.elastic.diloco import resize_diloco_state
+from jaxcomm.elastic.reshard import reshard_train_state, train_state_template
+from jaxcomm.elastic.resize import resize_state
 from jaxcomm.inspect import CommsReport, comms_report, wire_bytes_by_axes
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
+from jaxcomm.optim.demo import DemoLocal, DemoState, demo
 from jaxcomm.optim.diloco import diloco
-from jaxcomm.optim.diloco_state import (
-    DiLoCoLocal,
-    DiLoCoState,
-    diloco_params,
-    resize_diloco_state,
-)
+from jaxcomm.optim.diloco_state import DiLoCoLocal, DiLoCoState, diloco_params
 from jaxcomm.optim.onebit_adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
 from jaxcomm.optim.onebit_lamb import OneBitLambState, onebit_lamb
+from jaxcomm.optim.schedule import phase, phase_cond, phase_switch
 from jaxcomm.optim.sharded import ShardedState, sharded
 from jaxcomm.optim.zero_one_adam import LocalState, ZeroOneAdamState, zero_one_adam
-from jaxcomm.parallel import (
+from jaxcomm.runtime import DistributedInfo, configure_host_allocator, init_distributed, xla_flags
+from jaxcomm.runtime.host_allocator import apply_default as _apply_host_allocator_default
+from jaxcomm.train.layout import (
     TrainState,
     from_pmap_layout,
     global_view,
     init_opt_state,
-    init_train_state,
     local_view,
-    make_pmap_train_step,
-    make_train_step,
     params_of,
-    register_per_device_type,
     stack_per_device,
     state_partition_specs,
     to_pmap_layout,
     train_state_specs,
 )
-from jaxcomm.phases import PhasedStep, phase, phase_cond, phase_switch
-from jaxcomm.reshard import reshard_train_state, train_state_template
-from jaxcomm.resize import resize_state
-from jaxcomm.runtime import DistributedInfo, configure_host_allocator, init_distributed, xla_flags
-from jaxcomm.runtime.host_allocator import apply_default as _apply_host_allocator_default
+from jaxcomm.train.phased import PhasedStep
+from jaxcomm.train.step import init_train_state, make_pmap_train_step, make_train_step
 
 __version__ = "0.1.0"
 
@@ -120,16 +115,19 @@ __all__ = [
     "xla_flags",
     # optimizers
     "CompressedMeanState",
+    "DemoLocal",
+    "DemoState",
     "LocalState",
     "OneBitAdamState",
     "OneBitLambState",
     "ZeroOneAdamState",
     "compressed_mean",
+    "demo",
     "onebit_adam",
     "onebit_lamb",
     "scale_by_onebit_adam",
     "zero_one_adam",
-    # data parallel (the live registry is jaxcomm.parallel.PER_DEVICE_TYPES)
+    # data parallel (the per-device registry lives in jaxcomm.comm.state)
     "TrainState",
     "from_pmap_layout",
     "global_view",

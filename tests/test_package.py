@@ -34,16 +34,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jaxcomm"
 LAYERS = {
     "_compat": 0,
     "comm.buckets": 0,
-    "phases": 0,
     "runtime": 0,
     "compressors": 1,
     "comm": 2,
-    "resize": 4,
-    "inspect": 4,
-    "optim": 5,
-    "parallel": 5,
+    "inspect": 3,
+    "optim": 4,
     "train": 5,
-    "reshard": 6,
+    "elastic": 6,
 }
 # The command line: may import anything, never imported by the library.
 COMMAND = ("cli", "__main__")
@@ -54,8 +51,6 @@ OVER_LIMIT = {
     "optim/diloco.py",
     "optim/onebit_adam.py",
     "optim/zero_one_adam.py",
-    "parallel.py",
-    "reshard.py",
 }
 
 FILES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)

@@ -1,4 +1,4 @@
-"""Phase-specialised train steps (jaxcomm.phases, make_train_step(specialize_phases=True))."""
+"""Phase-specialised train steps (jaxcomm.optim.schedule, jaxcomm.train.phased)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ from conftest import NUM_DEVICES
 
 import jaxcomm as jc
 from jaxcomm.inspect.hlo import collectives_in_hlo
-from jaxcomm.phases import fixed_phases, record_phases
+from jaxcomm.optim.schedule import fixed_phases, record_phases
 
 N = NUM_DEVICES
 D = 24

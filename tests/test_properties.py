@@ -6,7 +6,7 @@ reduce-scatter, its all-gather and a psum of all-zero input, and the test checks
 
 * ``NoCompression`` equals the exact sum (NumPy, float64), integers and bools bit for bit;
 * error feedback: ``psum_out + T_new == sum_r x_r + T_old`` per compressed bucket, where ``T``
-  is the pending sum of the per-device states (:func:`jaxcomm.resize.pending_sum`);
+  is the pending sum of the per-device states (:func:`jaxcomm.elastic.resize.pending_sum`);
 * the all-gather of the scatter's shards puts every device's shard back where it came from
   (and, for ``NoCompression``, gives the exact sum);
 * every output keeps the dtype ``lax.psum`` / ``lax.pmean`` would give;
@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
 from jaxcomm.comm.buckets import plan_buckets
-from jaxcomm.resize import pending_sum
+from jaxcomm.elastic.resize import pending_sum
 
 DTYPES = [np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.int32),
           np.dtype(np.bool_)]

@@ -1,4 +1,4 @@
-"""Error feedback moved from n to m devices keeps its pending sum (jaxcomm.resize).
+"""Error feedback moved from n to m devices keeps its pending sum (jaxcomm.elastic.resize).
 
 The invariant is observed, not recomputed from the state: over a whole run (steps on n devices,
 ``resize_state``, more steps on m devices), the summed outputs plus what is still pending at the
@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
 from jaxcomm.comm.buckets import plan_buckets
-from jaxcomm.resize import pending_sum
+from jaxcomm.elastic.resize import pending_sum
 
 SHAPES = {"b": (5,), "w": (6, 7)}  # tree order: b, w (one fp32 bucket)
 LOCAL = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}

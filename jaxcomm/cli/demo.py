@@ -270,7 +270,7 @@ def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], No
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxcomm import parallel
+    from jaxcomm.train.step import make_train_step
 
     axis = mesh.axis_names[0]
     n = mesh.shape[axis]
@@ -279,7 +279,7 @@ def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], No
     # process-agnostic data.
     params = model.init(cfg.seed)
     tx, kind_of = _optimizer(method, cfg, axis)
-    step, state = parallel.make_train_step(mesh, axis, model.loss, tx, params)
+    step, state = make_train_step(mesh, axis, model.loss, tx, params)
     batch_sharding = NamedSharding(mesh, P(axis))
 
     def global_batch(arrays):

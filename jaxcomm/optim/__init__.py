@@ -13,23 +13,26 @@ One module per optimizer family (the public names are re-exported by :mod:`jaxco
   momentum with frozen, corrected trust ratios).
 * :mod:`~jaxcomm.optim.sharded`: ZeRO 1-2 around any optax transformation (compressed
   reduce-scatter and all-gather).
+* :mod:`~jaxcomm.optim.diloco`: DiLoCo and Streaming DiLoCo (its state: ``diloco_state``).
+* :mod:`~jaxcomm.optim.schedule`: the schedule's phases (``phase``, ``phase_cond``,
+  ``phase_switch``), which a phase-specialised train step fixes per program.
 * ``_common``: validation and tree helpers shared by the above.
 
 Each transformation's ``update`` runs where the data-parallel axis is bound (inside
-``jax.shard_map`` or ``jax.pmap``, e.g. via :mod:`jaxcomm.parallel`) and takes **this device's
+``jax.shard_map`` or ``jax.pmap``, e.g. via ``jc.make_train_step``) and takes **this device's
 local gradients**: the transformation does the cross-device communication itself.
 
 State layout. Leaves of a state are either **replicated** (identical on every device: step
 counts, Adam moments computed from reduced values, hyperparameters) or **per-device** (the
 error feedback of the 1-bit collectives, 0/1 Adam's local momentum). Per-device leaves live only
-inside the NamedTuple types listed in :data:`jaxcomm.parallel.PER_DEVICE_TYPES`
+inside the NamedTuple types marked with :func:`jaxcomm.comm.state.per_device`
 (``jc.ReduceState``, ``jc.ScatterState``, ``jc.LocalState``, ``jc.ShardedState``), so
-:func:`jaxcomm.parallel.state_partition_specs` can tell them apart by walking the tree.
+:func:`jaxcomm.state_partition_specs` can tell them apart by walking the tree.
 
 ``init`` needs the size of the axis to lay out the error feedback. It is taken from the
 ``axis_size`` argument; if that is ``None``, from ``lax.axis_size(axis_name)`` when ``init`` is
 called where the axis is bound (in ``shard_map``/``pmap``, or under ``jax.vmap(...,
-axis_name=...)`` as :mod:`jaxcomm.parallel` does), else from ``jax.device_count()``.
+axis_name=...)`` as :func:`jaxcomm.init_opt_state` does), else from ``jax.device_count()``.
 
 Dtypes. Moments and error feedback are fp32 whatever the parameter dtype; updates are returned
 in each parameter's dtype (bf16 parameters get bf16 updates). Learning rates accept optax

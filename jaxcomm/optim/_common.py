@@ -19,7 +19,7 @@ from jaxcomm.comm.state import check_compressor as check_compressor
 from jaxcomm.comm.state import plan_tree
 from jaxcomm.compressors import Compressor, NoCompression
 from jaxcomm.compressors import keep_if as keep_if
-from jaxcomm.phases import recording_phases
+from jaxcomm.optim.schedule import recording_phases
 
 PyTree = Any
 

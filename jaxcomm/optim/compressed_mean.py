@@ -21,7 +21,7 @@ from jaxcomm.optim._common import (
     static_bucket_bytes,
     static_int,
 )
-from jaxcomm.phases import phase, phase_cond
+from jaxcomm.optim.schedule import phase, phase_cond
 
 
 class CompressedMeanState(NamedTuple):

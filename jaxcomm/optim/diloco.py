@@ -40,7 +40,7 @@ XLA program that issues it, so in JAX the reduction overlaps the compute of one 
 gives the paper's algorithm (the outer update lands ``tau`` steps late, mixed by ``alpha``).
 On CPU, XLA runs collectives synchronously and nothing overlaps.
 
-Parameters are **per device** (like :func:`jaxcomm.zero_one_adam`): :mod:`jaxcomm.parallel`
+Parameters are **per device** (like :func:`jaxcomm.zero_one_adam`): :mod:`jaxcomm.train.layout`
 stacks them ``(n, ...)`` with ``P(axis)`` because a :class:`DiLoCoState` is registered as
 keeping per-device parameters. The model to evaluate is the outer one,
 :func:`diloco_params` (``theta``); the local copies equal it right after a sync with
@@ -85,7 +85,7 @@ from jaxcomm.optim.diloco_state import (
     fragment_leaves,
     fragment_offsets,
 )
-from jaxcomm.phases import phase, phase_cond
+from jaxcomm.optim.schedule import phase, phase_cond
 
 
 def _axis_size(axis_name, axis_size: int | None) -> int:
@@ -155,7 +155,7 @@ def diloco(
     Returns:
       An ``optax.GradientTransformation`` with a :class:`DiLoCoState`. ``update(grads, state,
       params)`` needs the local ``params`` and returns the change of the local parameters.
-      Parameters are per device (:mod:`jaxcomm.parallel` stacks them).
+      Parameters are per device (:mod:`jaxcomm.train.layout` stacks them).
 
     Example (8 devices, e.g. ``JAX_NUM_CPU_DEVICES=8``)::
 

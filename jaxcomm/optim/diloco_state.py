@@ -1,9 +1,10 @@
 """DiLoCo's state: its types, the fragment schedule, and reading or converting a state.
 
 :func:`jaxcomm.diloco` (:mod:`jaxcomm.optim.diloco`, the algorithm) keeps a
-:class:`DiLoCoState`; this module defines it and what works on a state from outside the
-training step: :func:`diloco_params` (the outer parameters, the model to evaluate) and
-:func:`resize_diloco_state` (a state of ``n`` devices for ``m``, on the host). Fragment ``f``
+:class:`DiLoCoState`; this module defines it and what reads a state from outside the
+training step: :func:`diloco_params` (the outer parameters, the model to evaluate;
+``jc.resize_diloco_state``, in :mod:`jaxcomm.elastic.diloco`, converts it for another device
+count). Fragment ``f``
 of ``F`` holds the leaves ``i % F == f`` and syncs after the steps ``t % H == o_f``
 (:func:`fragment_leaves`, :func:`fragment_offsets`).
 """
@@ -15,7 +16,6 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxcomm import parallel
 from jaxcomm.comm.state import per_device
 from jaxcomm.compressors import Compressor, NoCompression
 
@@ -106,7 +106,7 @@ def check_compressor(compressor) -> Compressor:
     return compressor
 
 
-def _find_diloco(opt_state: PyTree) -> DiLoCoState:
+def find_diloco(opt_state: PyTree) -> DiLoCoState:
     found = []
 
     def visit(node):
@@ -125,69 +125,4 @@ def _find_diloco(opt_state: PyTree) -> DiLoCoState:
 def diloco_params(opt_state: PyTree) -> PyTree:
     """``theta``, the outer parameters (fp32) of the :class:`DiLoCoState` in ``opt_state``: the
     model DiLoCo trains, to evaluate or export (identical on every device)."""
-    return _find_diloco(opt_state).outer_params
-
-
-def resize_diloco_state(
-    state: parallel.TrainState,
-    compressor: Compressor | None,
-    *,
-    new_axis_size: int,
-    bucket_bytes: int | None = None,
-) -> parallel.TrainState:
-    """A DiLoCo :class:`jaxcomm.TrainState` of ``n`` devices, converted for ``new_axis_size``.
-
-    ``state`` is in :mod:`jaxcomm.parallel`'s global layout (per-device leaves stacked
-    ``(n, ...)``), with a :class:`DiLoCoState` as (or anywhere in) its optimizer state. The new
-    devices all start from the **average** of the ``n`` local parameter copies and of the
-    ``n`` inner states (floating leaves; integer leaves, step and non-finite counts: their
-    maximum), as if the interval's local progress were averaged without an outer step;
-    ``theta``, the outer
-    states and any in-flight outer gradient are replicated and kept. The error feedback of
-    every fragment goes through :func:`jaxcomm.resize_state` and is scaled by ``m / n``: the
-    untransmitted part of the *mean* outer gradient, ``T / n`` (``T`` the pending sum), is kept,
-    as :func:`jaxcomm.reshard_train_state` does. Runs on the host (NumPy). ``compressor``
-    and ``bucket_bytes`` as given to :func:`diloco`.
-    """
-    from jaxcomm.resize import resize_state  # host-side tool; keep it off the import path
-
-    compressor = check_compressor(compressor)
-    m = check_int("new_axis_size", new_axis_size, 1)
-    old = _find_diloco(state.opt_state)
-    n = int(old.devices.shape[0])
-
-    def regrid(x):
-        x = np.asarray(x)
-        row = x.mean(axis=0).astype(x.dtype) if np.issubdtype(x.dtype, np.floating) else x.max(0)
-        return np.broadcast_to(row[None], (m, *row.shape)).copy()
-
-    theta_leaves = jax.tree.leaves(old.outer_params)
-    groups = fragment_leaves(len(theta_leaves), len(old.comm))
-    comm = []
-    for c, ids in zip(old.comm, groups, strict=True):
-        tree = [theta_leaves[i] for i in ids]
-        c = resize_state(
-            c, compressor, tree, axis_size=n, new_axis_size=m, bucket_bytes=bucket_bytes
-        )
-        # resize_state keeps the pending sum T; the outer gradient is a mean, so keep its
-        # pending share T / n instead: T -> T m / n (the state is linear in T).
-        comm.append(
-            jax.tree.map(
-                lambda x: (
-                    (x * (m / n)).astype(x.dtype) if np.issubdtype(x.dtype, np.floating) else x
-                ),
-                c,
-            )
-        )
-    comm = tuple(comm)
-    new = old._replace(
-        devices=np.zeros((m,), np.int8),
-        local=jax.tree.map(regrid, old.local),
-        comm=comm,
-    )
-    opt_state = jax.tree.map(
-        lambda node: new if node is old else node,
-        state.opt_state,
-        is_leaf=lambda x: isinstance(x, DiLoCoState),
-    )
-    return parallel.TrainState(jax.tree.map(regrid, state.params), opt_state)
+    return find_diloco(opt_state).outer_params

@@ -52,7 +52,7 @@ from jaxcomm.optim._common import (
     static_int,
     zeros_f32,
 )
-from jaxcomm.phases import phase, phase_cond
+from jaxcomm.optim.schedule import phase, phase_cond
 
 
 class OneBitAdamState(NamedTuple):

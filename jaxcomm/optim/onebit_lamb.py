@@ -38,7 +38,7 @@ from jaxcomm.optim._common import (
     unzip,
     zeros_f32,
 )
-from jaxcomm.phases import phase, phase_cond
+from jaxcomm.optim.schedule import phase, phase_cond
 
 
 class OneBitLambState(NamedTuple):

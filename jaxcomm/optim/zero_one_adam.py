@@ -46,7 +46,7 @@ from jaxcomm.optim._common import (
     varying,
     zeros_f32,
 )
-from jaxcomm.phases import phase, phase_switch
+from jaxcomm.optim.schedule import phase, phase_switch
 
 
 @per_device(blocks=True)
@@ -360,7 +360,7 @@ def zero_one_adam(
 
     **Parameters are per device**: after the variance freeze, devices take local steps and only
     synchronise every ``local_interval`` steps, so their parameters differ in between (and, by
-    rounding, slightly even after). Keep one copy per device: :mod:`jaxcomm.parallel` stacks
+    rounding, slightly even after). Keep one copy per device: :mod:`jaxcomm.train.layout` stacks
     the parameters on the axis for this optimizer (it detects a :class:`ZeroOneAdamState`).
 
     With ``t = count + 1`` the 1-based step (DeepSpeed defaults in brackets):
@@ -511,7 +511,7 @@ def zero_one_adam(
         )
         sync = (t % state.local_interval) == 0
         kind = jnp.where(frozen, jnp.where(sync, 3, 2), jnp.where(var_step, 0, 1)).astype(jnp.int32)
-        kind = phase(kind, 4)  # a Python int in a phase-specialised step (jaxcomm.phases)
+        kind = phase(kind, 4)  # a Python int in a phase-specialised step (jaxcomm.optim.schedule)
         g = f32(updates)
         mu, u = varying(state.local.mu, axis_name), varying(state.local.u, axis_name)
         mean, comm, mean_ok = step.communicate(kind, g, mu, state.nu, u, state.comm)

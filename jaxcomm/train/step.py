@@ -1,14 +1,46 @@
-"""The train step users call: places the batch and bounds how many steps run ahead."""
+"""The train steps: ``make_train_step`` (``shard_map``), ``make_pmap_train_step`` (``pmap``),
+and :class:`TrainStep`, the step users call (places the batch, bounds the steps in flight).
+
+Both builders return a step ``step(state, batch) -> (state, metrics)`` and its initial
+:class:`jaxcomm.TrainState` (in the layouts of :mod:`jaxcomm.train.layout`), and take the same
+*global* batch (every leaf's leading axis is split over the devices). The transformation
+receives each device's **local** gradients and does the communication (``jc.compressed_mean``,
+``jc.onebit_adam``, ``jc.zero_one_adam``, or your own); for exact data parallelism chain
+``jc.compressed_mean(axis, jc.NoCompression())`` in front of any optax optimizer. Under
+``shard_map`` the step takes gradients with respect to a device-varying copy of the
+parameters, so JAX inserts no implicit fp32 ``psum`` of the gradients (which it otherwise does
+for replicated inputs); a transformation that returns device-varying updates for replicated
+parameters is refused at trace time by ``check_vma`` instead of silently diverging.
+"""
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxcomm.phases import PhasedStep
+from jaxcomm._compat import ensure_varying
+from jaxcomm.optim.schedule import record_phases
+from jaxcomm.train.layout import (
+    TrainState,
+    global_view,
+    init_opt_state,
+    initial_train_state,
+    local_view,
+    params_are_per_device,
+    repeat,
+    train_state_specs,
+)
+from jaxcomm.train.phased import PhasedStep
+from jaxcomm.train.placement import place_batch
 
 PyTree = Any
 
@@ -26,9 +58,9 @@ class TrainStep:
     device never idles for the host while the bound is two or more steps.
 
     A phase-specialised step (the default: one program per phase of the optimizer's schedule,
-    :class:`jaxcomm.phases.PhasedStep`) reads the phase of its input state first, so it runs at
-    most one step ahead whatever the bound; ``step.phased`` is that object (``None`` for a
-    single program), ``step.lower(state, batch)`` the lowering of the program this state runs.
+    :class:`jaxcomm.train.phased.PhasedStep`) reads the phase of its input state first, so it
+    runs at most one step ahead whatever the bound; ``step.phased`` is that object (``None`` for
+    a single program), ``step.lower(state, batch)`` the lowering of the program this state runs.
     """
 
     def __init__(
@@ -52,7 +84,7 @@ class TrainStep:
 
     @property
     def phased(self) -> PhasedStep | None:
-        """The :class:`jaxcomm.phases.PhasedStep` behind this step, or ``None``."""
+        """The :class:`jaxcomm.train.phased.PhasedStep` behind this step, or ``None``."""
         return self._program if isinstance(self._program, PhasedStep) else None
 
     def __call__(self, state: PyTree, batch: PyTree):
@@ -88,3 +120,243 @@ class TrainStep:
     @property
     def compiled_phases(self) -> list[tuple[int, ...]]:
         return self._need_phased().compiled_phases
+
+
+def _split_batch_spec(axis_name: str, batch: PyTree) -> PyTree:
+    return jax.tree.map(lambda _: P(axis_name), batch)
+
+
+def _loss_and_grads(loss_fn, has_aux, params, batch):
+    out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
+    loss, aux = out if has_aux else (out, None)
+    return loss, aux, grads
+
+
+def _mean_metrics(loss, aux, axis_name: str, has_aux: bool):
+    loss = lax.pmean(loss, axis_name)
+    if not has_aux:
+        return loss
+    return loss, jax.tree.map(lambda x: lax.pmean(x, axis_name), aux)
+
+
+def _local_train_step(
+    loss_fn, tx, axis_name, has_aux, state: TrainState, batch, varying: bool, blocks=None
+):
+    """One device's step: local grads -> ``tx`` (which communicates) -> new params.
+
+    ``blocks``: the per-device parameters as the ``(1, *local)`` blocks shard_map hands them;
+    the update is added to the blocks themselves, so that XLA writes them in place (through a
+    squeeze and its inverse it would copy every parameter on XLA:CPU).
+    """
+    params = state.params
+    grad_params = (
+        jax.tree.map(lambda p: ensure_varying(p, axis_name), params) if varying else params
+    )
+    loss, aux, grads = _loss_and_grads(loss_fn, has_aux, grad_params, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, params)
+    if blocks is None:
+        new_params = optax.apply_updates(params, updates)
+    else:
+        new_params = optax.apply_updates(
+            blocks, jax.tree.map(lambda u, b: u.reshape(b.shape), updates, blocks)
+        )
+    return TrainState(new_params, opt_state), _mean_metrics(loss, aux, axis_name, has_aux)
+
+
+def init_train_state(
+    mesh: Mesh, axis_name: str, tx: optax.GradientTransformation, params: PyTree
+) -> TrainState:
+    """The initial :class:`TrainState` of :func:`make_train_step`, placed on ``mesh``.
+
+    ``tx.init`` runs once, jitted, with ``axis_name`` bound to the mesh's size; every leaf is
+    created directly with its sharding (per-device leaves ``P(axis)``, the rest replicated).
+    The caller's ``params`` are copied, never aliased (the step donates its input).
+    """
+    if axis_name not in mesh.shape:
+        raise ValueError(
+            f"jaxcomm: axis {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}"
+        )
+    n = int(mesh.shape[axis_name])
+
+    def build(params):
+        return initial_train_state(tx, params, axis_name, n)
+
+    abstract = jax.eval_shape(build, params)
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        train_state_specs(abstract, axis_name),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return jax.jit(build, out_shardings=shardings)(params)
+
+
+def make_train_step(
+    mesh: Mesh,
+    axis_name: str,
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    params: PyTree,
+    *,
+    has_aux: bool = False,
+    donate: bool = True,
+    check_vma: bool = True,
+    specialize_phases: bool = True,
+    max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
+) -> tuple[TrainStep, TrainState]:
+    """A jitted ``shard_map`` data-parallel train step and its initial state.
+
+    Args:
+      mesh: the device mesh; ``axis_name`` is its data-parallel axis (other axes, if any, see
+        the step replicated).
+      axis_name: the axis the batch is split over and ``tx`` communicates over.
+      loss_fn: ``loss_fn(params, local_batch) -> loss`` (or ``(loss, aux)`` with
+        ``has_aux=True``), the mean over the local batch.
+      tx: an optax transformation that takes local gradients and communicates, e.g.
+        ``optax.chain(jc.compressed_mean(axis_name), optax.adam(1e-3))`` or
+        ``jc.onebit_adam(1e-3, axis_name=axis_name)``. Its ``init`` is called with the axis
+        bound to the mesh's size.
+      params: one copy of the initial parameters.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` leaves are averaged over
+        devices.
+      donate: donate the input state's buffers to the step (do not reuse a state after passing
+        it to ``step``; copy it first, e.g. ``jax.tree.map(jnp.copy, state)``).
+      check_vma: passed to ``jax.shard_map``.
+      specialize_phases: compile each phase of ``tx``'s schedule as its own program and pick
+        it on the host per step (a :class:`jaxcomm.train.phased.PhasedStep`): the warm-up and the
+        compressed steps of ``jc.onebit_adam`` / ``jc.onebit_lamb`` / ``jc.compressed_mean``,
+        0/1 Adam's four kinds of step, DiLoCo's inner and synchronising steps. Same results up
+        to fp32 rounding, no ``lax.cond`` / ``lax.switch`` left in the program (whose
+        pass-through copies and per-phase selects every step would pay), one compile per phase
+        seen. Each call reads the phase of its input state first (a few scalar ops), so the
+        host runs at most one step ahead. ``False``: one program for every phase.
+      max_in_flight: how many steps the host may dispatch ahead of the device before a call
+        waits for the oldest (``None``: no bound). See :class:`jaxcomm.train.TrainStep`.
+
+    Returns:
+      ``(step, state)``: ``step(state, batch) -> (state, metrics)`` (a
+      :class:`jaxcomm.train.TrainStep`) where ``batch`` is the global batch: NumPy arrays or
+      any ``jax.Array``s whose leading axis is split over ``axis_name`` (placed by the step;
+      with several processes, each passes its own rows), and ``metrics`` the mean loss over
+      devices (``(loss, aux)`` with ``has_aux``); ``state`` is the initial :class:`TrainState`
+      in the global layout (:mod:`jaxcomm.train.layout`), placed on ``mesh``.
+      ``step.lower(state, batch).compile().as_text()`` gives the HLO of the program that state
+      runs. Works on Explicit-axis meshes (``jax.make_mesh``'s default) and Auto ones.
+    """
+    state = init_train_state(mesh, axis_name, tx, params)
+
+    def global_step(state: TrainState, batch, probe: bool = False):
+        specs = train_state_specs(state, axis_name)
+
+        def body(state, batch):
+            blocks = state.params if params_are_per_device(state.opt_state) else None
+            if probe:  # the phases only: the step itself is dead code
+                with record_phases() as recorded:
+                    _local_train_step(
+                        loss_fn, tx, axis_name, has_aux, local_view(state), batch, True, blocks
+                    )
+                return ensure_varying(recorded.as_array(), axis_name)[None]
+            new, metrics = _local_train_step(
+                loss_fn, tx, axis_name, has_aux, local_view(state), batch, True, blocks
+            )
+            if blocks is None:
+                return global_view(new), metrics
+            return TrainState(new.params, global_view(new.opt_state)), metrics
+
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(specs, _split_batch_spec(axis_name, batch)),
+            out_specs=P(axis_name) if probe else (specs, P()),
+            check_vma=check_vma,
+        )
+        return mapped(state, batch)
+
+    donate_argnums = (0,) if donate else ()
+    if specialize_phases:
+        probe = functools.partial(global_step, probe=True)
+        program = PhasedStep(global_step, probe, donate_argnums=donate_argnums)
+    else:
+        program = jax.jit(global_step, donate_argnums=donate_argnums)
+    place = functools.partial(place_batch, mesh=mesh, axis_name=axis_name)
+    return TrainStep(program, place, max_in_flight=max_in_flight), state
+
+
+def _owned(tree: PyTree) -> PyTree:
+    """Fresh copies, so that donating the train state never deletes the caller's arrays
+    (``device_put`` may alias its input even with ``may_alias=False``)."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def make_pmap_train_step(
+    axis_name: str,
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    params: PyTree,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    has_aux: bool = False,
+    donate: bool = True,
+    specialize_phases: bool = True,
+    max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
+) -> tuple[Callable, TrainState]:
+    """The ``jax.pmap`` variant of :func:`make_train_step`.
+
+    The state is in the pmap layout (every leaf stacked ``(n, ...)``; :func:`from_pmap_layout`
+    turns it into the global layout, e.g. to compare or checkpoint interchangeably).
+    ``step(state, batch)`` takes the same global batch as the ``shard_map`` step (split into
+    ``n`` equal parts on its leading axis) and returns ``(state, metrics)``, metrics unstacked.
+    ``step.pmapped`` is the underlying ``pmap`` function (batch already ``(n, b, ...)``);
+    with ``specialize_phases`` (as :func:`make_train_step`'s: one ``pmap`` per phase, chosen on
+    the host) it is the :class:`jaxcomm.train.phased.PhasedStep`, and ``step.phased`` too.
+    """
+    devices = list(jax.local_devices() if devices is None else devices)
+    n = len(devices)
+    opt_state = jax.jit(init_opt_state, static_argnums=(0, 2, 3))(tx, params, axis_name, n)
+    stacked_params = jax.tree.map(lambda p: repeat(p, n), params)
+    state = _owned(TrainState(stacked_params, opt_state))  # pmap places rows on first call
+
+    def body(state, batch):
+        return _local_train_step(loss_fn, tx, axis_name, has_aux, state, batch, varying=False)
+
+    def probe(state, batch):  # the phases only: the step itself is dead code
+        with record_phases() as recorded:
+            body(state, batch)
+        return recorded.as_array()
+
+    def compile_pmap(fn, donate_argnums=(), out_axes=(0, None)):
+        return jax.pmap(
+            fn,
+            axis_name=axis_name,
+            devices=devices,
+            out_axes=out_axes,
+            donate_argnums=donate_argnums,
+        )
+
+    donate_argnums = (0,) if donate else ()
+    if specialize_phases:
+        pmapped = PhasedStep(
+            body,
+            probe,
+            donate_argnums=donate_argnums,
+            compile=compile_pmap,
+            compile_probe=functools.partial(compile_pmap, out_axes=0),
+        )
+    else:
+        pmapped = compile_pmap(body, donate_argnums)
+
+    def split(batch):
+        def rows(path, x):
+            shape = jnp.shape(x)
+            if not shape or shape[0] % n:
+                raise ValueError(
+                    f"jaxcomm: batch leaf {jax.tree_util.keystr(path) or 'the batch'} has shape "
+                    f"{tuple(shape)}: its leading dimension must split evenly over {n} devices "
+                    f"(pass a multiple of {n} rows)"
+                )
+            return jnp.reshape(x, (n, -1, *shape[1:]))
+
+        return jax.tree_util.tree_map_with_path(rows, batch)
+
+    step = TrainStep(pmapped, split, max_in_flight=max_in_flight)
+    step.pmapped = pmapped
+    return step, state

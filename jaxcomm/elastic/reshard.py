@@ -4,7 +4,7 @@ A checkpoint of a data-parallel run on ``n`` devices holds, besides replicated l
 per-device leaves whose meaning and shape depend on ``n``: error feedback, 0/1 Adam's local
 momenta, :func:`jaxcomm.sharded`'s optimizer-state slices, 0/1 Adam's per-device parameters.
 :func:`reshard_train_state` turns it into the state of the same run on ``m`` devices, in the
-global layout of :mod:`jaxcomm.parallel` (per-device leaves stacked ``(m, ...)``).
+global layout of :mod:`jaxcomm.train.layout` (per-device leaves stacked ``(m, ...)``).
 
 Which leaf is which is read from the optimizer state's types, the same registry
 ``jc.make_train_step`` uses to place them (:func:`jaxcomm.register_per_device_type`):
@@ -50,24 +50,24 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import GetAttrKey
 
-from jaxcomm import parallel
-from jaxcomm.comm.state import ReduceState, ScatterState, init_state
+from jaxcomm.comm.state import ReduceState, ScatterState, init_state, is_per_device
 from jaxcomm.compressors import Compressor
-from jaxcomm.parallel import (
+from jaxcomm.elastic.diloco import resize_diloco_state
+from jaxcomm.elastic.resize import merge_rows, resize_state
+from jaxcomm.optim.diloco_state import DiLoCoState
+from jaxcomm.optim.sharded import ShardedState
+from jaxcomm.train.layout import (
     TrainState,
-    from_pmap_layout,
-    init_opt_state,
+    initial_train_state,
     params_are_per_device,
     train_state_specs,
 )
-from jaxcomm.resize import resize_state
 
 PyTree = Any
 _COMM_TYPES = (ReduceState, ScatterState)
@@ -90,14 +90,7 @@ def train_state_template(
     _check_size("axis_size", axis_size)
 
     n = int(axis_size)
-
-    def build(p):
-        opt_state = from_pmap_layout(init_opt_state(tx, p, axis_name, n))
-        if params_are_per_device(opt_state):
-            p = jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n, *jnp.shape(x))), p)
-        return TrainState(p, opt_state)
-
-    abstract = jax.eval_shape(build, params)
+    abstract = jax.eval_shape(lambda p: initial_train_state(tx, p, axis_name, n), params)
     if sharding is None:
         return abstract
     return jax.tree.map(
@@ -108,20 +101,6 @@ def train_state_template(
 def _check_size(name: str, value) -> None:
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
         raise ValueError(f"jaxcomm: {name} must be a positive int, got {value!r}")
-
-
-def _is_per_device(node) -> bool:
-    # Read at call time: types registered after import count too.
-    return isinstance(node, parallel.PER_DEVICE_TYPES)
-
-
-def _merge_rows(rows: np.ndarray, n: int, m: int) -> np.ndarray:
-    """``n`` per-device rows -> ``m`` copies of their mean (floats) or maximum (ints, bools)."""
-    if np.issubdtype(rows.dtype, np.inexact):
-        merged = rows.astype(np.float64).mean(axis=0).astype(rows.dtype)
-    else:
-        merged = rows.max(axis=0)
-    return np.broadcast_to(merged, (m, *merged.shape)).copy()
 
 
 def _shard_rows(full: np.ndarray, m: int) -> np.ndarray:
@@ -200,7 +179,7 @@ def _leaf(path, old, new_template, ctx: _Context) -> np.ndarray:
             "layout depends on the device count in a way this function does not know (a "
             "registered per-device type of your own?)"
         )
-    return _merge_rows(rows, ctx.n, ctx.m)
+    return merge_rows(rows, ctx.m, accumulate=np.float64)
 
 
 def _is_shard_tree(node, ctx: _Context) -> bool:
@@ -252,10 +231,7 @@ def _per_device(path, old, new_template, ctx: _Context, *, shards: bool = False)
             return out
         return _leaf(full_path, sub, tpl, ctx)
 
-    import jaxcomm  # the public name; the module that defines it may move
-
-    sharded_state = jaxcomm.ShardedState
-    if isinstance(old, sharded_state):
+    if isinstance(old, ShardedState):
         fields = dict(
             inner=_per_device(
                 (*path, GetAttrKey("inner")), old.inner, new_template.inner, ctx, shards=True
@@ -274,7 +250,7 @@ def _per_device(path, old, new_template, ctx: _Context, *, shards: bool = False)
         for name in old._fields:
             if name not in fields:
                 fields[name] = jax.tree.map(largest_row, getattr(old, name))
-        return sharded_state(**fields)
+        return ShardedState(**fields)
     return jax.tree_util.tree_map_with_path(visit, old, new_template, is_leaf=is_node)
 
 
@@ -293,11 +269,11 @@ def _infer_axis_size(state: TrainState) -> int | None:
     rows = []
 
     def visit(node):
-        if _is_per_device(node):
+        if is_per_device(node):
             rows.extend(np.shape(x)[0] for x in jax.tree.leaves(node))
         return node
 
-    jax.tree.map(visit, state.opt_state, is_leaf=_is_per_device)
+    jax.tree.map(visit, state.opt_state, is_leaf=is_per_device)
     if params_are_per_device(state.opt_state):
         rows.extend(np.shape(x)[0] for x in jax.tree.leaves(state.params))
     if not rows:
@@ -372,7 +348,7 @@ def reshard_train_state(
     ctx = _Context(params, n, m, compressor, bucket_bytes)
 
     def visit(path, old, new):
-        if _is_per_device(old):
+        if is_per_device(old):
             return _per_device(path, old, new, ctx)
         if tuple(np.shape(old)) != tuple(new.shape):
             raise ValueError(
@@ -383,18 +359,18 @@ def reshard_train_state(
             )
         return np.asarray(old)
 
-    import jaxcomm  # public names of optimizers that resize their own state
-
-    if _contains(state.opt_state, jaxcomm.DiLoCoState):
-        out = jaxcomm.resize_diloco_state(
+    if _contains(state.opt_state, DiLoCoState):
+        out = resize_diloco_state(
             state, compressor, new_axis_size=m, bucket_bytes=bucket_bytes
         )
     else:
         opt_state = jax.tree_util.tree_map_with_path(
-            visit, state.opt_state, new_t.opt_state, is_leaf=_is_per_device
+            visit, state.opt_state, new_t.opt_state, is_leaf=is_per_device
         )
         if params_are_per_device(state.opt_state):
-            new_params = jax.tree.map(lambda p: _merge_rows(np.asarray(p), n, m), state.params)
+            new_params = jax.tree.map(
+                lambda p: merge_rows(np.asarray(p), m, accumulate=np.float64), state.params
+            )
         else:
             new_params = jax.tree.map(np.asarray, state.params)
         out = TrainState(new_params, opt_state)

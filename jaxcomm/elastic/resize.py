@@ -31,7 +31,7 @@ each device's gradient now counts ``1/m`` of the mean, so does theirs. A state t
 know (your own compressor), or ``reset=True``, gives zeros with a ``UserWarning`` saying what
 was dropped. The non-finite counter of every new device is the largest old one.
 
-Layouts: ``"stacked"`` (``(n, *local)`` per leaf: :mod:`jaxcomm.parallel`'s global layout and
+Layouts: ``"stacked"`` (``(n, *local)`` per leaf: :mod:`jaxcomm.train.layout`'s global layout and
 pmap's) or ``"concatenated"`` (``(n * local_len,)``: the ``shard_map`` ``P(axis)`` layout of the
 collectives' examples). Everything runs on the host, in NumPy.
 """
@@ -222,3 +222,12 @@ def resize_state(
     ]
     return _join(new_states, layout)
 
+
+def merge_rows(rows: np.ndarray, m: int, *, accumulate=None) -> np.ndarray:
+    """Per-device rows ``(n, ...)`` -> ``m`` copies of their mean (floating leaves; computed in
+    ``accumulate``, default the rows' own dtype) or of their maximum (integer and bool leaves)."""
+    if np.issubdtype(rows.dtype, np.inexact):
+        merged = rows.astype(accumulate or rows.dtype).mean(axis=0).astype(rows.dtype)
+    else:
+        merged = rows.max(axis=0)
+    return np.broadcast_to(merged[None], (m, *merged.shape)).copy()

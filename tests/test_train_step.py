@@ -158,3 +158,31 @@ def test_phases_are_specialised_by_default():
         state, _ = step(state, batch)
     # warm-up, first compressed step, compressed steps in the step's space: three programs
     assert len(step.compiled_phases) == 3
+
+
+def test_steady_phases_are_not_read_again():
+    """1-bit Adam (freeze_step=3): the phases are read at the first step (warm-up, sure to hold
+    for 2 more steps), at the first compressed step (moves the moments: holds for 0 steps) and
+    once in the step's space (holds for good): 3 reads in 12 steps, and the same parameters as
+    the single program."""
+    params, batch = regression()
+    make = lambda: jc.onebit_adam(LR, freeze_step=3, axis_name="dp")  # noqa: E731
+    step, state = jc.make_train_step(explicit_mesh(), "dp", loss_fn, make(), params)
+    single, s1 = jc.make_train_step(
+        explicit_mesh(), "dp", loss_fn, make(), params, specialize_phases=False
+    )
+    reads = []
+    probe = step.phased._probe
+    step.phased._probe = lambda *a: reads.append(1) or probe(*a)
+    for _ in range(12):
+        state, _ = step(state, batch)
+        s1, _ = single(s1, batch)
+    assert len(reads) == 3
+    for k in params:
+        np.testing.assert_allclose(
+            jc.params_of(state)[k], jc.params_of(s1)[k], rtol=1e-5, atol=12 * LR * 1e-5
+        )
+    # A state that is not the step's last output is read again.
+    fresh = jax.tree.map(jnp.copy, state)
+    state, _ = step(fresh, batch)
+    assert len(reads) == 4

@@ -21,7 +21,7 @@ from jaxcomm.optim._common import (
     static_bucket_bytes,
     static_int,
 )
-from jaxcomm.optim.schedule import phase, phase_cond
+from jaxcomm.optim.schedule import phase, phase_cond, steady_below
 
 
 class CompressedMeanState(NamedTuple):
@@ -95,7 +95,11 @@ def compressed_mean(
             mean, comm = compressed(updates, state.comm)
         else:
             mean, comm = phase_cond(
-                phase(state.count < warmup_steps), exact, compressed, updates, state.comm
+                phase(state.count < warmup_steps, steady=steady_below(state.count, warmup_steps)),
+                exact,
+                compressed,
+                updates,
+                state.comm,
             )
         return mean, CompressedMeanState(count=optax.safe_increment(state.count), comm=comm)
 

@@ -52,7 +52,7 @@ from jaxcomm.optim._common import (
     static_int,
     zeros_f32,
 )
-from jaxcomm.optim.schedule import phase, phase_cond
+from jaxcomm.optim.schedule import STEADY_FOREVER, phase, phase_cond, steady_below
 
 
 class OneBitAdamState(NamedTuple):
@@ -173,11 +173,18 @@ def scale_by_onebit_adam(
         # selects below fold.
         if static_freeze is not None and static_freeze <= 0:  # no warm-up branch at all
             frozen = True
-            in_step_space = phase(state.preconditioned) if precondition else False
+            # Moved after the first step that is not skipped, then for good.
+            moved = jnp.where(state.preconditioned, STEADY_FOREVER, 0)
+            in_step_space = phase(state.preconditioned, steady=moved) if precondition else False
         else:
             compressed = 1 + state.preconditioned.astype(jnp.int32) if precondition else 1
             cases = 3 if precondition else 2
-            kind = phase(jnp.where(state.count >= freeze_step, compressed, 0), cases)
+            # Warm-up until the count reaches freeze_step; kind 1 lasts one (unskipped) step.
+            steady = steady_below(state.count, freeze_step)
+            if precondition:
+                held = state.preconditioned | (state.count < freeze_step)
+                steady = jnp.where(held, steady, 0)
+            kind = phase(jnp.where(state.count >= freeze_step, compressed, 0), cases, steady=steady)
             frozen = kind >= 1
             in_step_space = kind == 2
 

@@ -38,7 +38,7 @@ from jaxcomm.optim._common import (
     unzip,
     zeros_f32,
 )
-from jaxcomm.optim.schedule import phase, phase_cond
+from jaxcomm.optim.schedule import phase, phase_cond, steady_below
 
 
 class OneBitLambState(NamedTuple):
@@ -356,7 +356,10 @@ def onebit_lamb(
             state.comm,
         )
         mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta = phase_cond(
-            phase(state.count < freeze_step), warm, compress, *args
+            phase(state.count < freeze_step, steady=steady_below(state.count, freeze_step)),
+            warm,
+            compress,
+            *args,
         )
         # A non-finite step (NaN/Inf in any device's gradient reaches the mean) is skipped:
         # moments, coefficients and factors stay, the collectives' guard kept the error feedback.

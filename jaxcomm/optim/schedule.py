@@ -32,19 +32,30 @@ from jax import lax
 _mode = threading.local()
 
 
+#: ``steady`` of a value that never changes again (int32's largest value).
+STEADY_FOREVER = np.iinfo(np.int32).max
+
+
 class _Recording:
-    """Collects the values :func:`phase` is given (the probe)."""
+    """Collects the values :func:`phase` is given, and for how many steps they hold (the
+    probe)."""
 
     def __init__(self) -> None:
         self.values: list[jax.Array] = []
+        self.steady: list[jax.Array] = []
 
-    def take(self, value: jax.Array, cases: int) -> jax.Array:
+    def take(self, value: jax.Array, cases: int, steady) -> jax.Array:
         self.values.append(jnp.asarray(value, jnp.int32).reshape(()))
+        self.steady.append(jnp.asarray(0 if steady is None else steady, jnp.int32).reshape(()))
         return value
 
     def as_array(self) -> jax.Array:
-        """The recorded values as one int32 vector (empty when the step has no phase)."""
-        return jnp.stack(self.values) if self.values else jnp.zeros(0, jnp.int32)
+        """One int32 vector: the recorded values, then the number of following steps for which
+        all of them hold (the smallest ``steady``); empty when the step has no phase."""
+        if not self.values:
+            return jnp.zeros(0, jnp.int32)
+        steady = jnp.maximum(jnp.min(jnp.stack(self.steady)), 0)
+        return jnp.stack([*self.values, steady])
 
 
 class _Fixed:
@@ -53,7 +64,7 @@ class _Fixed:
     def __init__(self, values: Sequence[int]) -> None:
         self.values, self.position = tuple(int(v) for v in values), 0
 
-    def take(self, value: jax.Array, cases: int) -> bool | int:
+    def take(self, value: jax.Array, cases: int, steady) -> bool | int:
         if self.position >= len(self.values):
             raise RuntimeError(
                 "jaxcomm: the step asked for more phases than its probe recorded: a phase "
@@ -76,7 +87,9 @@ def _check_value(value, cases: int) -> None:
         raise ValueError(f"jaxcomm: phase cases must be a positive int, got {cases!r}")
 
 
-def phase(value: jax.Array, cases: int = 2) -> jax.Array | bool | int:
+def phase(
+    value: jax.Array, cases: int = 2, *, steady: jax.Array | int | None = None
+) -> jax.Array | bool | int:
     """A schedule value (bool, or int in ``[0, cases)``) that a phase-specialised step fixes.
 
     Returns ``value`` itself unless the step being traced is specialised (see the module
@@ -84,6 +97,14 @@ def phase(value: jax.Array, cases: int = 2) -> jax.Array | bool | int:
     :func:`phase_cond` / :func:`phase_switch` trace one branch and ``jnp.where`` on it folds.
     ``value`` should depend on the state and hyperparameters only (see the module docstring),
     and must be the same on every device.
+
+    ``steady`` (optional, an int scalar, possibly traced): a number ``h`` of following steps
+    over which ``value`` is sure not to change while the state changes only through this step
+    (:data:`STEADY_FOREVER` for never again). A phase-specialised step then reads the phases
+    once and runs the next ``h`` steps without reading them again, so the host does not wait
+    for the device (e.g. for ``count < warmup`` with a count that grows by at most 1 a step:
+    ``warmup - 1 - count`` while it holds, :data:`STEADY_FOREVER` once it does not). A wrong
+    ``steady`` runs a step in the wrong phase: leave it out (0: read every step) when unsure.
 
     Examples:
       >>> import jax.numpy as jnp, jaxcomm as jc
@@ -93,7 +114,14 @@ def phase(value: jax.Array, cases: int = 2) -> jax.Array | bool | int:
     """
     _check_value(value, cases)
     mode = getattr(_mode, "current", None)
-    return value if mode is None else mode.take(value, cases)
+    return value if mode is None else mode.take(value, cases, steady)
+
+
+def steady_below(count: jax.Array, boundary) -> jax.Array:
+    """The ``steady`` of ``count < boundary`` for a count that grows by at most 1 a step: the
+    steps left before it can turn false, then :data:`STEADY_FOREVER` (it stays false)."""
+    count = jnp.asarray(count, jnp.int32)
+    return jnp.where(count < boundary, boundary - 1 - count, STEADY_FOREVER).astype(jnp.int32)
 
 
 def phase_cond(pred, true_fn: Callable, false_fn: Callable, *operands):

@@ -14,11 +14,12 @@ each process's devices).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxcomm.optim.schedule import fixed_phases
+from jaxcomm.optim.schedule import STEADY_FOREVER, fixed_phases
 
 
 class PhasedStep:
@@ -30,8 +31,11 @@ class PhasedStep:
     agree; each process reads its own devices' rows). Made by
     ``jc.make_train_step(..., specialize_phases=True)``.
 
-    Each call waits for its input state (the probe reads it), so the host does not run ahead
-    of the device by more than one step. ``compile(fn, donate_argnums)`` turns a traced
+    A call reads the phases of its input state (the probe waits for it), unless the state is
+    the output of the previous call and the phases read last are sure to hold for it (the
+    ``steady`` of :func:`jaxcomm.phase`): the 1-bit optimizers' schedules say so for the rest
+    of the warm-up and for every step after it, so their steps then queue without the host
+    waiting for the device. ``compile(fn, donate_argnums)`` turns a traced
     function into a program and ``compile_probe(probe)`` the probe (default ``jax.jit``;
     ``jax.pmap`` for ``jc.make_pmap_train_step``).
     """
@@ -52,15 +56,22 @@ class PhasedStep:
         self._without_phases = False  # set once a probe found no phase at all
         self._single: Callable | None = None  # the unspecialised program, for traced calls
         self.last_phases: tuple[int, ...] | None = None  #: the phases of the latest call
+        # The state the latest call returned, and for how many more calls its phases hold.
+        self._last_output: Any = None
+        self._steady = 0
 
     def phases(self, *args) -> tuple[int, ...]:
         """The phase values of a step on ``args`` (runs the probe)."""
+        return self._read(*args)[0]
+
+    def _read(self, *args) -> tuple[tuple[int, ...], int]:
+        """The phases of a step on ``args`` and the number of following steps they hold for."""
         if self._without_phases:
-            return ()
+            return (), STEADY_FOREVER
         out = self._probe(*args)
         if out.shape[-1] == 0:
             self._without_phases = True
-            return ()
+            return (), STEADY_FOREVER
         # This process's rows (a multi-process array is not fetched whole), (devices, phases).
         width = out.shape[-1]
         rows = np.concatenate(
@@ -71,7 +82,7 @@ class PhasedStep:
                 f"jaxcomm: the devices disagree on the step's phases {rows.tolist()}: a phase "
                 "must be the same on every device (a function of replicated state)"
             )
-        return tuple(int(v) for v in rows[0])
+        return tuple(int(v) for v in rows[0, :-1]), int(rows[0, -1])
 
     def program(self, values: tuple[int, ...]) -> Callable:
         """The jitted step for ``values`` (compiled on first use)."""
@@ -91,8 +102,13 @@ class PhasedStep:
             if self._single is None:
                 self._single = self._compile(self._traced, self._donate)
             return self._single(*args)
-        self.last_phases = self.phases(*args)
-        return self.program(self.last_phases)(*args)
+        if self._steady > 0 and args[0] is self._last_output:
+            self._steady -= 1  # the phases read earlier hold: no wait for the device
+        else:
+            self.last_phases, self._steady = self._read(*args)
+        out = self.program(self.last_phases)(*args)
+        self._last_output = out[0]
+        return out
 
     def lower(self, *args):
         """``jax.jit(...).lower`` of the program for these arguments' phases."""

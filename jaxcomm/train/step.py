@@ -58,8 +58,9 @@ class TrainStep:
     device never idles for the host while the bound is two or more steps.
 
     A phase-specialised step (the default: one program per phase of the optimizer's schedule,
-    :class:`jaxcomm.train.phased.PhasedStep`) reads the phase of its input state first, so it
-    runs at most one step ahead whatever the bound; ``step.phased`` is that object (``None`` for
+    :class:`jaxcomm.train.phased.PhasedStep`) reads the phases of its input state where they
+    may have changed (then it waits for that state; the 1-bit optimizers' phases are known for
+    the rest of the warm-up and for good after it); ``step.phased`` is that object (``None`` for
     a single program), ``step.lower(state, batch)`` the lowering of the program this state runs.
     """
 
@@ -227,8 +228,9 @@ def make_train_step(
         0/1 Adam's four kinds of step, DiLoCo's inner and synchronising steps. Same results up
         to fp32 rounding, no ``lax.cond`` / ``lax.switch`` left in the program (whose
         pass-through copies and per-phase selects every step would pay), one compile per phase
-        seen. Each call reads the phase of its input state first (a few scalar ops), so the
-        host runs at most one step ahead. ``False``: one program for every phase.
+        seen. A call reads the phase of its input state (a few scalar ops, waiting for that
+        state) only where the schedule may have changed it (see ``steady`` in
+        :func:`jaxcomm.phase`). ``False``: one program for every phase.
       max_in_flight: how many steps the host may dispatch ahead of the device before a call
         waits for the oldest (``None``: no bound). See :class:`jaxcomm.train.TrainStep`.
 

@@ -86,7 +86,13 @@ TPU_ASYNC_FLAGS: dict[str, str] = {
     "xla_enable_async_all_reduce": "true",
     "xla_tpu_enable_async_all_to_all": "true",
 }
-FLAG_SETS: dict[str, dict[str, str]] = {"default": {}, "async": TPU_ASYNC_FLAGS}
+# MaxText scripts/diloco/run_diloco.sh adds this one: keep an all-gather an (async) all-gather
+# instead of rewriting it as an all-reduce (which XLA:TPU does to OneBit's server stage).
+FLAG_SETS: dict[str, dict[str, str]] = {
+    "default": {},
+    "async": TPU_ASYNC_FLAGS,
+    "async_ag": {**TPU_ASYNC_FLAGS, "xla_tpu_prefer_async_allgather_to_allreduce": "true"},
+}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ One module per optimizer family (the public names are re-exported by :mod:`jaxco
   local steps).
 * :mod:`~jaxcomm.optim.onebit_lamb`: DeepSpeed's 1-bit LAMB (exact LAMB warm-up, then 1-bit
   momentum with frozen, corrected trust ratios).
+* :mod:`~jaxcomm.optim.demo`: DeMo (decoupled momentum: the top DCT coefficients of
+  each device's momentum chunks all-gathered, a sign update).
 * :mod:`~jaxcomm.optim.sharded`: ZeRO 1-2 around any optax transformation (compressed
   reduce-scatter and all-gather).
 * :mod:`~jaxcomm.optim.diloco`: DiLoCo and Streaming DiLoCo (its state: ``diloco_state``).

@@ -345,21 +345,11 @@ def onebit_lamb(
             nu_fresh, last_factor, delta = unzip(out, mu, 3)
             return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta
 
-        args = (
-            grads,
-            state.mu,
-            state.nu,
-            state.nu_fresh,
-            state.coeff_freeze,
-            state.last_factor,
-            state.scaling_coeff,
-            state.comm,
-        )
+        args = (grads, state.mu, state.nu, state.nu_fresh, state.coeff_freeze)
+        args += (state.last_factor, state.scaling_coeff, state.comm)
+        warm_up = phase(state.count < freeze_step, steady=steady_below(state.count, freeze_step))
         mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta = phase_cond(
-            phase(state.count < freeze_step, steady=steady_below(state.count, freeze_step)),
-            warm,
-            compress,
-            *args,
+            warm_up, warm, compress, *args
         )
         # A non-finite step (NaN/Inf in any device's gradient reaches the mean) is skipped:
         # moments, coefficients and factors stay, the collectives' guard kept the error feedback.

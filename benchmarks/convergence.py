@@ -175,7 +175,7 @@ def train(name: str, tx, kind_of, cfg, mesh, data, model) -> dict:
     step, state = jc.make_train_step(mesh, axis, model.loss, tx, params)
     sharding = NamedSharding(mesh, P(axis))
     held = tuple(jnp.asarray(a) for a in data.held_out(cfg.held_out))
-    per_device = jc.parallel.params_are_per_device(state.opt_state)
+    per_device = jc.train.layout.params_are_per_device(state.opt_state)
 
     def consensus(params):
         return jax.tree.map(lambda p: jnp.mean(p, 0), params) if per_device else params

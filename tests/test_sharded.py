@@ -247,21 +247,21 @@ def test_init_outside_the_axis_and_errors(mesh):
     # Outside the axis (the nnx.Optimizer route): device 0's shard shapes; zeros are the same
     # for every device, so stack_per_device gives what init_opt_state builds per device.
     outside = jc.stack_per_device(tx.init(params), N)
-    inside = jc.from_pmap_layout(jc.parallel.init_opt_state(tx, params, "dp", N))
+    inside = jc.from_pmap_layout(jc.init_opt_state(tx, params, "dp", N))
     assert isinstance(outside, ShardedState)
     assert_close(outside, inside, rtol=0, atol=0)
     # A qwZ master cannot be sliced outside the axis: it is marked invalid, filled at step 1.
     qwz = jc.sharded(optax.adam(1e-3), "dp", gather_compressor=jc.Quantize(8), axis_size=N)
     assert not bool(qwz.init(params).master.valid)
     assert bool(
-        jc.from_pmap_layout(jc.parallel.init_opt_state(qwz, params, "dp", N)).master.valid[0]
+        jc.from_pmap_layout(jc.init_opt_state(qwz, params, "dp", N)).master.valid[0]
     )
     # An inner init that stores parameter values cannot be built for every device from outside.
     values = jc.sharded(optax.contrib.schedule_free_adamw(1e-3), "dp", axis_size=N)
     with pytest.raises(ValueError, match="stores parameter values"):
         values.init(params)
     # ... but where the axis is bound, each device gets its own shard.
-    state = jc.from_pmap_layout(jc.parallel.init_opt_state(values, params, "dp", N))
+    state = jc.from_pmap_layout(jc.init_opt_state(values, params, "dp", N))
     z = state.inner.z  # schedule-free keeps the parameters themselves
     np.testing.assert_array_equal(np.asarray(z["w1"]).reshape(-1)[:91], params["w1"].ravel())
     with pytest.raises(ValueError, match="needs params"):

@@ -324,7 +324,7 @@ def _averaged(opt_state) -> bool:
     import jaxcomm as jc
 
     diloco = isinstance(opt_state, jc.DiLoCoState)
-    return jc.parallel.params_are_per_device(opt_state) and not diloco
+    return jc.train.layout.params_are_per_device(opt_state) and not diloco
 
 
 def evaluated_params(state):

@@ -11,7 +11,7 @@ Convergence Speed" (arXiv:2102.02888). Two pieces, composed like optax's ``adamw
 ``onebit_adam`` applies the three pieces itself rather than returning ``optax.chain(...)``: a
 chain's state is a tuple of three states, and the state of ``onebit_adam`` stays one
 :class:`OneBitAdamState` (``state.mu``, ``state.comm``: checkpoints, ``inject_hyperparams`` and
-:mod:`jaxcomm.parallel` read it), and the learning rate is evaluated at the same ``count`` as the
+:mod:`jaxcomm.train` reads it), and the learning rate is evaluated at the same ``count`` as the
 moments (a chained ``scale_by_learning_rate`` keeps its own count). The result is bit for bit
 the chain ``optax.chain(scale_by_onebit_adam(...), optax.add_decayed_weights(wd),
 optax.scale_by_learning_rate(lr))`` for fp32 parameters (weight decay is taken on fp32 copies of

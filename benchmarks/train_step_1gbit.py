@@ -35,7 +35,7 @@ and carried from step to step), one method after the other:
   further.
 * ``onebit_adam_phased``, ``zero_one_adam_phased``, ``diloco_int4_phased``: the same three
   with ``jc.make_train_step(..., specialize_phases=True)``: each phase of the schedule is its
-  own program, chosen on the host per step (:mod:`jaxcomm.phases`; a probe reads the step
+  own program, chosen on the host per step (:mod:`jaxcomm.train.phased`; a probe reads the step
   count first, which is in the timed step).
 
 Models (``--model``): ``mlp``, ``--layers`` x (``--width`` x ``--width`` + bias), 16.8M fp32

@@ -169,7 +169,7 @@ def scale_by_onebit_adam(
         # a reduction of v per leaf; its sqrt and division cost more than the memory traffic).
         # The schedule: 0 warm-up, 1 compressed from Adam's moments, 2 compressed in the step's
         # space (without preconditioning: 0 and 1). It is a Python int when it is static or the
-        # step is phase-specialised (jaxcomm.phases): then only its branch is traced and the
+        # step is phase-specialised (jaxcomm.train.phased): then only its branch is traced and the
         # selects below fold.
         if static_freeze is not None and static_freeze <= 0:  # no warm-up branch at all
             frozen = True

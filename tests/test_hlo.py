@@ -242,3 +242,21 @@ def test_compiled_buckets_are_independent_chains(mesh):
         assert len(owner) == 1, (op.line, sorted(params))
         owners.append(owner[0])
     assert len(deps) == 4 and sorted(owners) == [0] * 2 + [1] * 2  # one per stage and bucket
+
+
+def test_async_start_with_context_scalars_counts_its_result_only():
+    """TPU's ``all-to-all-start`` returns (operands, results, u32[] context, u32[] context):
+    the payload is the result (512 B here), not the context scalars' 8 B; GPU's start tuple
+    (operands, results) is counted as before."""
+    from jaxcomm.inspect.hlo import collectives_in_hlo
+
+    text = (
+        "HloModule m, num_partitions=4\nENTRY %main {\n"
+        "  %a = ((u32[128]{0}), (u32[128]{0}), u32[], u32[]) all-to-all-start(u32[128]{0} %p),"
+        " replica_groups={{0,1,2,3}}\n"
+        "  %g = (f32[8]{0}, f32[32]{0}) all-gather-start(f32[8]{0} %q),"
+        " replica_groups={{0,1,2,3}}\n}\n"
+    )
+    a2a, gather = collectives_in_hlo(text)
+    assert (a2a.op, a2a.payload_bytes, a2a.wire_bytes) == ("all-to-all", 512, 512 * 3 / 4)
+    assert (gather.op, gather.payload_bytes, gather.wire_bytes) == ("all-gather", 128, 128 * 3 / 4)

@@ -125,9 +125,15 @@ def _parse_collective(line: str, default_group: int) -> CollectiveOp | None:
         return None
     op = m.group("op")
     arrays = _arrays(m.group("shape"))
-    if m.group("start"):
+    if m.group("start") and op != "all-reduce":
         # Async start ops return (operands..., results..., [context]); count the result half.
-        arrays = arrays[len(arrays) // 2 :] if op != "all-reduce" else arrays
+        # TPU appends u32[] context scalars (e.g. its all-to-all-start): not payload.
+        end = len(arrays)
+        while end > 2 and arrays[end - 1] in (("u32", 4), ("s32", 4)):
+            end -= 1
+        if end % 2 == 0:
+            arrays = arrays[:end]
+        arrays = arrays[len(arrays) // 2 :]
     group = _group_size(line, default_group)
     payload = sum(b for _, b in arrays)
     if op == "reduce-scatter":

@@ -68,3 +68,13 @@ def test_installed_xla_accepts_every_preset_flag():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode != 0 and "Unknown flag" in proc.stderr
+
+
+def test_tpu_preset_goes_to_libtpu_init_args(monkeypatch):
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_async_all_to_all=false --keep=1")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    flags = jc.xla_flags("tpu")  # starts from LIBTPU_INIT_ARGS, not XLA_FLAGS
+    assert flags == "--keep=1 --xla_tpu_enable_async_all_to_all=true"
+    assert set(_names(flags)) - {"keep"} <= set(FLAG_DOCS)
+    off = jc.xla_flags("tpu", latency_hiding=False, base="")
+    assert off == "--xla_tpu_enable_async_all_to_all=false"

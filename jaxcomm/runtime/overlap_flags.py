@@ -1,4 +1,4 @@
-"""XLA flag presets that let communication overlap computation (GPU).
+"""XLA flag presets that let communication overlap computation (GPU, TPU).
 
 jaxcomm splits a tree into buckets whose collective chains share no data (see
 ``bucket_bytes``), so while one bucket's compressed payload is on the wire, the next bucket can
@@ -23,9 +23,16 @@ before the backend starts:
 ``--xla_gpu_enable_highest_priority_async_stream=true``
     Runs collectives on a high-priority stream so that compute kernels do not starve them.
 
+On TPU the flags go in ``LIBTPU_INIT_ARGS`` (``set_xla_flags("tpu")`` writes them there):
+
+``--xla_tpu_enable_async_all_to_all=true``
+    Compiles each all-to-all (OneBit's and the quantizers' worker stage) as an async start/done
+    pair that the scheduler overlaps with compute; without it XLA:TPU keeps them synchronous
+    (read from programs compiled for v5e and v5p with ``benchmarks/aot_report.py``). The flag
+    is the one JAX's own async-collective tests pass as a compiler option.
+
 On CPU, XLA runs collectives synchronously: there is nothing to overlap and
-``xla_flags("cpu")`` adds no flag. TPU's scheduler overlaps by default (its flags go through
-``LIBTPU_INIT_ARGS``, not covered here).
+``xla_flags("cpu")`` adds no flag.
 
 Usage (before ``import jax`` creates a backend)::
 
@@ -57,9 +64,12 @@ FLAG_DOCS: dict[str, str] = {
         "let XLA widen a converted all-reduce (bf16 -> f32); false keeps the requested dtype"
     ),
     "xla_gpu_enable_highest_priority_async_stream": "run collectives on a high-priority stream",
+    "xla_tpu_enable_async_all_to_all": "compile all-to-all as an async pair the scheduler overlaps",
 }
 
-_PLATFORMS = ("gpu", "cpu")
+#: The environment variable each platform's compiler reads its flags from.
+FLAGS_ENV = {"gpu": "XLA_FLAGS", "cpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
+_PLATFORMS = tuple(FLAGS_ENV)
 
 
 def _bool(v: bool) -> str:
@@ -76,23 +86,23 @@ def xla_flags(
     priority_stream: bool = True,
     base: str | None = None,
 ) -> str:
-    """``XLA_FLAGS`` that let jaxcomm's bucketed collectives overlap compute on ``platform``.
+    """Flags that let jaxcomm's bucketed collectives overlap compute on ``platform``.
 
     Args:
-      platform: ``"gpu"``, or ``"cpu"`` (no overlap flags: XLA's CPU collectives are
-        synchronous).
-      latency_hiding: enable the latency-hiding scheduler.
+      platform: ``"gpu"`` (for ``XLA_FLAGS``), ``"tpu"`` (for ``LIBTPU_INIT_ARGS``), or
+        ``"cpu"`` (no overlap flags: XLA's CPU collectives are synchronous).
+      latency_hiding: enable the latency-hiding scheduler (GPU); async all-to-all (TPU).
       pipelined: pipeline all-reduce, all-gather and reduce-scatter across loop iterations.
       combine_threshold_bytes: cap for XLA's collective combiners; pass your ``bucket_bytes``
         (or less) so XLA keeps the buckets separate. ``None`` leaves XLA's default.
       keep_payload_dtype: turn off XLA's reassociation of converted all-reduces, which widens
         a bf16 all-reduce to f32.
       priority_stream: give collectives the highest-priority stream.
-      base: flags to start from (default: the current ``XLA_FLAGS``); the preset's flags
-        replace same-named ones, the rest are kept.
+      base: flags to start from (default: the platform's variable, :data:`FLAGS_ENV`); the
+        preset's flags replace same-named ones, the rest are kept.
 
     Returns:
-      A space-separated flag string for ``XLA_FLAGS``.
+      A space-separated flag string for ``FLAGS_ENV[platform]``.
     """
     if platform not in _PLATFORMS:
         raise ValueError(
@@ -114,7 +124,10 @@ def xla_flags(
                 flags[f"xla_gpu_{op}_combine_threshold_bytes"] = str(combine_threshold_bytes)
         flags["xla_gpu_enable_reassociation_for_converted_ar"] = _bool(not keep_payload_dtype)
         flags["xla_gpu_enable_highest_priority_async_stream"] = _bool(priority_stream)
-    return merge_flags(os.environ.get("XLA_FLAGS", "") if base is None else base, flags)
+    elif platform == "tpu":
+        flags["xla_tpu_enable_async_all_to_all"] = _bool(latency_hiding)
+    env = os.environ.get(FLAGS_ENV[platform], "")
+    return merge_flags(env if base is None else base, flags)
 
 
 def merge_flags(base: str, flags: dict[str, str]) -> str:
@@ -124,7 +137,8 @@ def merge_flags(base: str, flags: dict[str, str]) -> str:
 
 
 def set_xla_flags(platform: str = "gpu", **kwargs) -> str:
-    """Writes :func:`xla_flags` into ``os.environ["XLA_FLAGS"]`` and returns it.
+    """Writes :func:`xla_flags` into the platform's variable (``XLA_FLAGS``, or
+    ``LIBTPU_INIT_ARGS`` on TPU) and returns it.
 
     Raises:
       RuntimeError: a JAX backend already exists, so the flags would be ignored.
@@ -136,5 +150,6 @@ def set_xla_flags(platform: str = "gpu", **kwargs) -> str:
             "jaxcomm.set_xla_flags: a JAX backend is already initialized; XLA reads XLA_FLAGS "
             "once. Call this before the first jax computation (or set XLA_FLAGS in the shell)."
         )
-    os.environ["XLA_FLAGS"] = xla_flags(platform, **kwargs)
-    return os.environ["XLA_FLAGS"]
+    name = FLAGS_ENV.get(platform, "XLA_FLAGS")
+    os.environ[name] = xla_flags(platform, **kwargs)
+    return os.environ[name]

@@ -55,9 +55,15 @@ def skip_counters(opt_state):
 
 
 # Phased 1-bit Adam: in the step's space its mean is the new momentum, which the collective
-# itself keeps on a skip (compressed_pmean_or_fallback). One bucket, the default: with several,
-# a finite bucket's error feedback moves on a skipped step (see onebit_adam's docstring).
-SKIP_CASES = [(name, False) for name in BUILDERS] + [("onebit_adam", True)]
+# itself keeps on a skip (compressed_pmean_or_fallback). With several buckets (16 bytes: one
+# per leaf, at least two) every bucket's error feedback is kept, not only the non-finite one's.
+BUILDERS["onebit_adam_buckets"] = lambda **kw: jc.onebit_adam(
+    0.02, freeze_step=3, axis_name="dp", bucket_bytes=16, **kw
+)
+SKIP_CASES = [(name, False) for name in BUILDERS] + [
+    ("onebit_adam", True),
+    ("onebit_adam_buckets", True),
+]
 
 
 @pytest.mark.parametrize("name,phased", SKIP_CASES)

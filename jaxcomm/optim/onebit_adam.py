@@ -260,6 +260,13 @@ def scale_by_onebit_adam(
         # step is taken of the kept moments: taken of the new ones, XLA copied mu and nu.)
         mu = mu if fallback_is_skip else keep_if(ok, mu, state.mu)
         nu = keep_if(ok, nu, state.nu)
+        if (
+            isinstance(comm, ReduceState)
+            and floating_buckets(state.mu, compressor, bucket_bytes) > 1
+        ):
+            # Each bucket's guard kept only its own error feedback: a skipped step keeps every
+            # bucket's, as it keeps the moments (the count of non-finite calls still moves).
+            comm = comm._replace(buckets=keep_if(ok, comm.buckets, state.comm.buckets))
         if not precondition:
             step = jax.tree.map(lambda m, den: (m / c1) / den, mu, denominator(nu, frozen))
         elif frozen is True:
@@ -342,10 +349,9 @@ def onebit_adam(
       error feedback) and ``state.skipped`` / ``skipped_total`` count it; after more than
       ``max_consecutive_skips`` (16) in a row the step raises ``FloatingPointError``
       (inside JAX's runtime error). Like ``optax.apply_if_finite``, for every device at once.
-      With several buckets (``bucket_bytes``) each bucket's guard decides alone: a skipped
-      step keeps the error feedback of the buckets that were not finite, and the others' moves
-      on (one step of their compressed momentum is lost); with one bucket, the default, the
-      skip is exact.
+      With several buckets (``bucket_bytes``) the skip is exact too: every bucket's error
+      feedback is kept, not only the non-finite bucket's (a select over the error feedback
+      per step, which one bucket, the default, does not need).
 
     Differences from DeepSpeed, on purpose: DeepSpeed's first ``step()`` only allocates buffers
     (so it runs ``freeze_step - 1`` real warm-up updates); here every call is an update and

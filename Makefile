@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo run test lint bench examples clean
+.PHONY: venv demo run test test-fast lint bench examples clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,11 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(PY) -m pytest tests
+
+# The inner loop (a few minutes): layering, the README, placement and phases, wire-byte parsing.
+test-fast: venv
+	$(PY) -m pytest -q -x tests/test_package.py tests/test_readme.py tests/test_train_step.py \
+		tests/test_hlo.py tests/test_donation.py tests/test_powersgd.py tests/test_overlap.py
 
 lint: venv
 	$(VENV)/bin/ruff check jaxcomm tests benchmarks examples

@@ -21,21 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 from scipy.fft import dctn, idctn
+from sparseloco_reference import tiles  # the same chunking rule (frontier.md section 1)
 
 F32 = np.float32
-
-
-def divisor(n: int, limit: int) -> int:
-    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
-
-
-def tiles(shape, chunk_size):
-    """``(rows, cols, h, w)`` of a tensor's tiling."""
-    size = int(np.prod(shape))
-    if len(shape) >= 2:
-        rows, cols = shape[0], size // shape[0]
-        return rows, cols, divisor(rows, chunk_size), divisor(cols, chunk_size)
-    return 1, size, 1, divisor(size, chunk_size)
 
 
 def tile_views(shape, chunk_size):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -12,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 PyTree = Any
 
 
+@functools.cache  # called per batch leaf and step: scan the mesh once
 def _devices_here(mesh: Mesh, axis_name: str) -> int:
     """How many slices of ``axis_name`` this process's devices hold (all of them, one process)."""
     axis = mesh.axis_names.index(axis_name)

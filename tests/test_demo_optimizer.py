@@ -181,3 +181,66 @@ def test_integer_parameters_are_refused():
     tx = jc.demo(1e-3, axis_name="dp")
     with pytest.raises(ValueError, match=r"needs floating-point parameters, got int32 at \['n'\]"):
         tx.init({"w": jnp.zeros(4), "n": jnp.zeros(3, jnp.int32)})
+
+
+def test_comms_report_shows_the_gathered_parts_at_their_analytic_cost():
+    """jc.comms_report of the step: one uint8 all-gather (nothing flagged against a uint8
+    payload) whose wire bytes are the analytic count, 12 bits of offset + 4 bytes per kept
+    value (kept values counted from the reference's tiling), to each of the n - 1 others."""
+    step, state = fresh()
+    report = jc.comms_report(step, state, batch(0), expect="uint8")
+    assert report.ok, str(report)
+    gathers = [r for r in report.rows if r.op == "all-gather"]
+    assert [(r.dtype, r.count) for r in gathers] == [("u8", 1)]
+    kept = 0
+    for shape in SHAPES.values():
+        rows, cols, h, w = tiles(shape, 64)
+        kept += (rows // h) * (cols // w) * min(TOP_K, h * w)
+    assert gathers[0].wire_bytes == (N - 1) * (3 * -(-kept // 2) + 4 * kept)
+    # Everything else is the loss mean and the skip counters: a few bytes.
+    assert report.wire_bytes - gathers[0].wire_bytes <= 64
+
+
+def test_reshard_averages_the_momenta_and_continues_as_the_model():
+    """jc.reshard_train_state from 8 to 4 devices: parameters and counters are kept; every new
+    device's momentum is the mean of the old ones (each device's untransmitted residual
+    weighs ``1/n`` in the gathered mean, so their mean is what the restart must keep); the next
+    step on 4 devices is the NumPy model's from those momenta."""
+    step, state = fresh()
+    model = DemoModel(N, SHAPES, LR, beta=BETA, top_k=TOP_K, wd=WD)
+    want = numpy_tree(state.params)
+    for t in (1, 2):
+        state, _ = step(state, batch(20 + t))
+        want, _ = model.step(want, batch(20 + t))
+    m = 4
+    mesh = jax.make_mesh(
+        (m,), ("dp",), devices=jax.devices()[:m], axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    tx = jc.demo(LR, axis_name="dp", compression_decay=BETA, top_k=TOP_K, weight_decay=WD)
+    out = jc.reshard_train_state(
+        state, tx, state.params, axis_name="dp", new_axis_size=m, mesh=mesh
+    )
+    for name in SHAPES:
+        np.testing.assert_array_equal(np.asarray(out.params[name]), np.asarray(state.params[name]))
+        old = np.asarray(state.opt_state.local.mu[name], np.float64)
+        got = np.asarray(out.opt_state.local.mu[name])
+        assert got.shape == (m, *SHAPES[name])
+        mean = old.mean(axis=0).astype(np.float32)  # one rounding of the float64 mean
+        for r in range(m):
+            np.testing.assert_array_equal(got[r], mean, err_msg=name)
+    assert int(out.opt_state.count) == 2 and int(out.opt_state.skipped_total) == 0
+
+    model4 = DemoModel(m, SHAPES, LR, beta=BETA, top_k=TOP_K, wd=WD)
+    model4.m = {k: np.repeat(np.asarray(out.opt_state.local.mu[k])[:1], m, 0) for k in SHAPES}
+    params = {k: jnp.asarray(v) for k, v in want.items()}
+    step4, _ = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+    x = {k: v[:m] for k, v in batch(23).items()}
+    state4, _ = step4(out, x)
+    want, u = model4.step(numpy_tree(state.params), x)
+    for name in SHAPES:
+        _, _, h, w = tiles(SHAPES[name], 64)
+        np.testing.assert_allclose(
+            np.asarray(state4.opt_state.local.mu[name]), model4.m[name], rtol=0,
+            atol=(h + w) * EPS * model4.scale[name], err_msg=name,
+        )  # fmt: skip
+    check_params(state4.params, want, u, 1, atol=4 * EPS * 4.0)

@@ -32,13 +32,14 @@ and ``inner = optax.sgd(lr)`` it is data-parallel SGD: ``theta - (theta - lr g_r
 
 Where the communication sits. With ``tau = 0`` the reduction of a fragment is in the program
 of its sync step, after that step's inner update. With ``tau >= 1`` it is issued in the program
-of step ``t_s + 1`` from that step's *input* parameters (``x_r`` after step ``t_s``), so it does
-not depend on the step's forward and backward pass and XLA's asynchronous collective scheduler
-(GPU, TPU) can run it alongside them; the result waits in the state (``inflight``,
-checkpointable) and is merged at the end of step ``t_s + tau``. A collective cannot outlive the
-XLA program that issues it, so in JAX the reduction overlaps the compute of one step; ``tau``
-gives the paper's algorithm (the outer update lands ``tau`` steps late, mixed by ``alpha``).
-On CPU, XLA runs collectives synchronously and nothing overlaps.
+of step ``t_s + 1`` from that step's *input* parameters (``x_r`` after step ``t_s``); the result
+waits in the state (``inflight``, checkpointable) and is merged at the end of step
+``t_s + tau``. In one program the reduction holds the device until the wire is done (an XLA
+runtime runs one program at a time per device, and a collective cannot outlive its program);
+``background=True`` (``tau >= 2``, through ``jc.make_train_step``) takes it out of the step
+programs: the step of ``t_s + 1`` only stores the pseudo-gradients, and a host thread runs the
+compressed mean (device programs around host-network exchanges) while the next inner steps
+compute, merged at ``t_s + tau`` with the same result (:mod:`jaxcomm.optim.diloco_background`).
 
 Parameters are **per device** (like :func:`jaxcomm.zero_one_adam`): :mod:`jaxcomm.train.layout`
 stacks them ``(n, ...)`` with ``P(axis)`` because a :class:`DiLoCoState` is registered as
@@ -65,8 +66,6 @@ stays bad, does not train on silently.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -77,6 +76,9 @@ from jaxcomm.comm.all_reduce import compressed_pmean
 from jaxcomm.comm.state import init_state
 from jaxcomm.compressors import Compressor
 from jaxcomm.optim._common import all_finite, check_skips
+from jaxcomm.optim.diloco_background import BackgroundSpec, check_driven, register
+from jaxcomm.optim.diloco_outer import axis_size_of, check_leaves, make_outer_step, periodic
+from jaxcomm.optim.diloco_stages import check_staged
 from jaxcomm.optim.diloco_state import (
     DiLoCoLocal,
     DiLoCoState,
@@ -86,30 +88,6 @@ from jaxcomm.optim.diloco_state import (
     fragment_offsets,
 )
 from jaxcomm.optim.schedule import phase, phase_cond
-
-
-def _axis_size(axis_name, axis_size: int | None) -> int:
-    if axis_size is not None:
-        return check_int("axis_size", axis_size, 1)
-    try:
-        return int(lax.axis_size(axis_name))
-    except NameError:
-        return jax.device_count()
-
-
-def _check_leaves(leaves: Sequence, fragments: int) -> None:
-    for leaf in leaves:
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-            raise TypeError(
-                f"jaxcomm: diloco trains floating parameters only, got a leaf of dtype "
-                f"{jnp.result_type(leaf)} (keep integer/bool state outside the optimized tree)"
-            )
-    if fragments > len(leaves):
-        raise ValueError(
-            f"jaxcomm: diloco fragments={fragments} but the parameters have only {len(leaves)} "
-            f"leaves (fragments are sets of whole leaves, leaf i in fragment i % fragments): "
-            f"use fragments <= {len(leaves)}"
-        )
 
 
 def diloco(
@@ -125,6 +103,8 @@ def diloco(
     bucket_bytes: int | None = None,
     axis_size: int | None = None,
     max_consecutive_skips: int | None = 16,
+    background: bool = False,
+    sync_timeout: float = 300.0,
 ) -> optax.GradientTransformation:
     """DiLoCo / Streaming DiLoCo over local gradients (see the module docstring for the math).
 
@@ -151,6 +131,12 @@ def diloco(
       max_consecutive_skips: stop (``FloatingPointError``) once more than this many outer
         steps in a row were skipped as non-finite, or at a sync where a device has skipped more
         than this many inner steps in a row; ``None``: never (no host callback, no int32 max).
+      background: run each sync's reduction on a host thread while the next ``tau - 1`` inner
+        steps compute (``overlap_steps >= 2``; ``compressor`` ``None``, ``jc.Quantize`` or
+        ``jc.Cast``; through ``jc.make_train_step``, which drives it). Same parameters as
+        ``background=False``; see :mod:`jaxcomm.optim.diloco_background`.
+      sync_timeout: with ``background``, seconds a sync may take before the step that needs
+        it raises ``SyncError`` (a process died or hung).
 
     Returns:
       An ``optax.GradientTransformation`` with a :class:`DiLoCoState`. ``update(grads, state,
@@ -193,19 +179,29 @@ def diloco(
     if isinstance(alpha, int | float) and not 0.0 <= float(alpha) <= 1.0:
         raise ValueError(f"jaxcomm: diloco alpha must be in [0, 1], got {alpha!r}")
     compressor = check_compressor(compressor)
+    if background:
+        if tau < 2:
+            raise ValueError(
+                f"jaxcomm: diloco background=True needs overlap_steps >= 2 (got {tau}): the "
+                "sync is issued at step t_s + 1 and merged at t_s + overlap_steps, so with 1 "
+                "there is no step to hide it behind"
+            )
+        check_staged(compressor)
+        if not (isinstance(sync_timeout, int | float) and sync_timeout > 0):
+            raise ValueError(f"jaxcomm: diloco sync_timeout must be > 0 s, got {sync_timeout!r}")
     for name, tx in (("inner", inner), ("outer", outer)):
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise TypeError(
                 f"jaxcomm: diloco {name} must be an optax GradientTransformation, got {tx!r}"
             )
     offsets = fragment_offsets(H, F)
-    static_alpha_zero = isinstance(alpha, int | float) and float(alpha) == 0.0
+    outer_step = make_outer_step(outer, alpha, axis_name)
     f32 = jnp.float32
 
     def init_fn(params):
         leaves = jax.tree.leaves(params)
-        _check_leaves(leaves, F)
-        n = _axis_size(axis_name, axis_size)
+        check_leaves(leaves, F)
+        n = axis_size_of(axis_name, axis_size)
         theta = jax.tree.map(lambda p: jnp.asarray(p, f32), params)
         theta_leaves = jax.tree.leaves(theta)
         groups = fragment_leaves(len(leaves), F)
@@ -219,7 +215,10 @@ def diloco(
             consecutive=jnp.zeros([], jnp.int32),
             devices=jnp.zeros((n,), jnp.int8),
             local=DiLoCoLocal(
-                inner.init(params), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
+                inner.init(params),
+                jnp.zeros([], jnp.int32),
+                jnp.zeros([], jnp.int32),
+                tuple([jnp.zeros_like(x) for x in part] for part in parts) if background else (),
             ),
             comm=tuple(
                 init_state(compressor, part, axis_size=n, bucket_bytes=bucket_bytes)
@@ -240,30 +239,6 @@ def diloco(
     def varying(tree):
         return jax.tree.map(lambda x: ensure_varying(x, axis_name), tree)
 
-    def outer_step(delta, theta, outer_state, local, counts):
-        """Apply the reduced ``delta`` to ``theta``; merge into ``local``; skip if non-finite
-        (``counts``: outer steps skipped, in all and in a row)."""
-        updates, new_outer = outer.update(delta, outer_state, theta)
-        new_theta = optax.apply_updates(theta, updates)
-        finite = all_finite(delta, new_theta)
-        new_theta = [jnp.where(finite, a, b) for a, b in zip(new_theta, theta, strict=True)]
-        new_outer = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_outer, outer_state)
-        if static_alpha_zero:
-            merged = [th.astype(x.dtype) for th, x in zip(new_theta, local, strict=True)]
-        else:
-            a = jnp.asarray(alpha, f32)
-            merged = [
-                (a * x.astype(f32) + (1 - a) * th).astype(x.dtype)
-                for th, x in zip(new_theta, local, strict=True)
-            ]
-        merged = [jnp.where(finite, m, x) for m, x in zip(merged, local, strict=True)]
-        skipped, streak = counts
-        counts = (
-            skipped + jnp.where(finite, 0, 1).astype(jnp.int32),
-            jnp.where(finite, 0, streak + 1).astype(jnp.int32),
-        )
-        return new_theta, new_outer, varying(merged), counts
-
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError(
@@ -272,7 +247,9 @@ def diloco(
         if not isinstance(state, DiLoCoState):
             raise TypeError(f"jaxcomm: diloco got a state of type {type(state).__name__}")
         param_leaves, treedef = jax.tree.flatten(params)
-        _check_leaves(param_leaves, F)
+        check_leaves(param_leaves, F)
+        if background:
+            check_driven()
         try:
             bound = int(lax.axis_size(axis_name))
         except NameError as err:
@@ -310,6 +287,7 @@ def diloco(
         theta = list(jax.tree.leaves(state.outer_params))
         t = state.count + 1
         outers, inflights, comms = list(state.outer), list(state.inflight), list(state.comm)
+        pendings = list(state.local.pending)
         counts = (state.skipped, state.consecutive)
         # Leaves that no outer step can change this step (known at trace time in a
         # phase-specialised inner step): their update is the inner update itself.
@@ -328,34 +306,56 @@ def diloco(
                 def keep(th, x, outer_state, comm, counts):
                     return th, x, outer_state, comm, counts
 
-                synced = phase(t % H == offsets[f])
+                value, steady = periodic(t, H, offsets[f], 0)
+                synced = phase(value, steady=steady)
                 th, x, outers[f], comms[f], counts = phase_cond(
                     synced, sync, keep, th, x, outers[f], comms[f], counts
                 )
             else:
                 prev = [before[i] for i in ids]
+                issued = periodic(t, H, offsets[f], 1)
+                if background:  # store the pseudo-gradients; the host thread reduces them
 
-                def issue(th, prev, pending, comm):
-                    delta = [a - b for a, b in zip(th, prev, strict=True)]
-                    return reduce(delta, comm)
+                    def store(th, prev, pending):
+                        return [
+                            (a - b).reshape(jnp.shape(p))
+                            for a, b, p in zip(th, prev, pending, strict=True)
+                        ]
 
-                def wait(th, prev, pending, comm):
-                    return pending, comm
+                    pendings[f] = phase_cond(
+                        phase(issued[0], steady=issued[1]),
+                        store,
+                        lambda th, prev, pending: pending,
+                        th,
+                        prev,
+                        pendings[f],
+                    )
+                else:
 
-                issued = ((t - 1) % H == offsets[f]) & (t > 1)
-                inflights[f], comms[f] = phase_cond(
-                    phase(issued), issue, wait, th, prev, inflights[f], comms[f]
-                )
+                    def issue(th, prev, pending, comm):
+                        delta = [a - b for a, b in zip(th, prev, strict=True)]
+                        return reduce(delta, comm)
 
-                def merge(pending, th, outer_state, x, counts):
-                    return outer_step(pending, th, outer_state, x, counts)
+                    def wait(th, prev, pending, comm):
+                        return pending, comm
+
+                    inflights[f], comms[f] = phase_cond(
+                        phase(issued[0], steady=issued[1]),
+                        issue,
+                        wait,
+                        th,
+                        prev,
+                        inflights[f],
+                        comms[f],
+                    )
 
                 def hold(pending, th, outer_state, x, counts):
                     return th, outer_state, x, counts
 
-                synced = phase(((t - tau) % H == offsets[f]) & (t - tau >= 1))
+                merged = periodic(t, H, offsets[f], tau)
+                synced = phase(merged[0], steady=merged[1])
                 th, outers[f], x, counts = phase_cond(
-                    synced, merge, hold, inflights[f], th, outers[f], x, counts
+                    synced, outer_step, hold, inflights[f], th, outers[f], x, counts
                 )
             for i, a, b in zip(ids, th, x, strict=True):
                 theta[i], local[i] = a, b
@@ -381,7 +381,7 @@ def diloco(
             skipped=counts[0],
             consecutive=counts[1],
             devices=state.devices,
-            local=DiLoCoLocal(inner_state, inner_nonfinite, in_a_row),
+            local=DiLoCoLocal(inner_state, inner_nonfinite, in_a_row, tuple(pendings)),
             comm=tuple(comms),
         )
         if max_consecutive_skips is not None:
@@ -389,9 +389,11 @@ def diloco(
             # would leave the others waiting in the next collective: the inner streaks are
             # compared at the steps that communicate anyway (one int32 max), so a device that
             # keeps failing stops the run at the next sync.
-            talks = [(t % H == o) if tau == 0 else ((t - 1) % H == o) & (t > 1) for o in offsets]
+            talks = [periodic(t, H, o, 0 if tau == 0 else 1) for o in offsets]
+            values = jnp.stack([v for v, _ in talks])
+            steady = jnp.where(jnp.any(values), 0, jnp.min(jnp.stack([s for _, s in talks])))
             worst = phase_cond(
-                phase(jnp.any(jnp.stack(talks))),
+                phase(jnp.any(values), steady=steady),
                 lambda x: lax.pmax(x, axis_name),
                 lambda x: jnp.zeros([], jnp.int32),
                 in_a_row.reshape(()),
@@ -399,4 +401,10 @@ def diloco(
             check_skips(jnp.maximum(worst, counts[1]), max_consecutive_skips, "diloco")
         return new_updates, new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    tx = optax.GradientTransformation(init_fn, update_fn)
+    if background:
+        register(
+            update_fn,
+            BackgroundSpec(compressor, axis_name, bucket_bytes, H, F, tau, float(sync_timeout)),
+        )
+    return tx

@@ -34,11 +34,15 @@ class DiLoCoLocal(NamedTuple):
         parameters were not finite.
       consecutive: int32 scalar: of those, how many in a row up to now (0 after a step that
         was taken); ``max_consecutive_skips`` bounds it.
+      pending: with ``background=True``, per fragment, this device's pseudo-gradient
+        ``theta_f - x_f`` of its latest sync (fp32 leaves), which the host thread reduces;
+        ``()`` otherwise.
     """
 
     inner: PyTree
     nonfinite: jax.Array
     consecutive: jax.Array
+    pending: tuple = ()
 
 
 @per_device(params=True)  # a DiLoCoState means the parameters are per device

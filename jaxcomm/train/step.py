@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm._compat import ensure_varying
+from jaxcomm.optim.diloco_background import BackgroundSync, background_spec, driven
 from jaxcomm.optim.schedule import record_phases
 from jaxcomm.train.layout import (
     TrainState,
@@ -70,6 +71,7 @@ class TrainStep:
         place: Callable[[PyTree], PyTree],
         *,
         max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
+        background: BackgroundSync | None = None,
     ) -> None:
         if max_in_flight is not None and (
             isinstance(max_in_flight, bool)
@@ -82,6 +84,7 @@ class TrainStep:
         self._program, self._place = program, place
         self.max_in_flight = max_in_flight
         self._queued: collections.deque = collections.deque()
+        self.background = background  # runs jc.diloco(background=True)'s syncs
 
     @property
     def phased(self) -> PhasedStep | None:
@@ -89,7 +92,13 @@ class TrainStep:
         return self._program if isinstance(self._program, PhasedStep) else None
 
     def __call__(self, state: PyTree, batch: PyTree):
-        new_state, metrics = self._program(state, self._place(batch))
+        if self.background is None:
+            new_state, metrics = self._program(state, self._place(batch))
+        else:
+            state = self.background.before(state)
+            with driven():
+                new_state, metrics = self._program(state, self._place(batch))
+            self.background.after(new_state)
         if self.max_in_flight is not None:
             self._queued.append(jax.tree.leaves(metrics)[0])
             while len(self._queued) > self.max_in_flight:
@@ -98,7 +107,8 @@ class TrainStep:
 
     def lower(self, state: PyTree, batch: PyTree):
         """``jax.jit(...).lower`` of the program that ``step(state, batch)`` would run."""
-        return self._program.lower(state, self._place(batch))
+        with driven():
+            return self._program.lower(state, self._place(batch))
 
     # The phase-specialised step's inspection API, where there is one.
     def _need_phased(self) -> PhasedStep:
@@ -280,7 +290,9 @@ def make_train_step(
     else:
         program = jax.jit(global_step, donate_argnums=donate_argnums)
     place = functools.partial(place_batch, mesh=mesh, axis_name=axis_name)
-    return TrainStep(program, place, max_in_flight=max_in_flight), state
+    spec = background_spec(tx)
+    background = None if spec is None else BackgroundSync(spec, mesh, axis_name)
+    return TrainStep(program, place, max_in_flight=max_in_flight, background=background), state
 
 
 def _owned(tree: PyTree) -> PyTree:

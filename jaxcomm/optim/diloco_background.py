@@ -1,0 +1,283 @@
+"""DiLoCo's outer sync in the background: the host side of ``jc.diloco(..., background=True)``.
+
+Why a host side. An XLA runtime (CPU, GPU, TPU) runs one program at a time per device, in the
+order they were dispatched, and a collective lives and dies inside its program: a sync's
+all-reduce, however early it is issued, holds the device until the wire is done. So with
+``background=True`` no step program communicates for the outer gradient. The step that issues a
+fragment's sync (``t_s + 1``) only stores each device's pseudo-gradient ``theta_f - x_f`` in the
+state (``local.pending``); then :class:`BackgroundSync`, which ``jc.make_train_step`` attaches to
+the step it returns, runs the sync while the next inner steps compute:
+
+1. it dispatches the compressor's worker stage (a device program without collectives, a few
+   milliseconds), and a host thread moves its wire between the processes over TCP
+   (:mod:`jaxcomm.optim.diloco_exchange`; the devices of one process exchange in memory);
+2. the thread dispatches the server stage, moves its wire again, and dispatches the decoding
+   (:mod:`jaxcomm.optim.diloco_stages`);
+3. before step ``t_s + tau`` the step waits for the thread, puts the mean into the state's
+   ``inflight`` slot and the new error feedback into ``comm``, and that step merges it exactly
+   as the single-program ``overlap_steps=tau`` does: the same parameters, bit for bit.
+
+The same design runs on every backend: device programs for the arithmetic, the host network for
+the bytes (as cross-datacenter trainers do). The wire must finish within ``tau`` inner steps to
+be hidden; a later one makes step ``t_s + tau`` wait for it.
+
+Checkpoints: the state between ``t_s + 1`` and ``t_s + tau`` holds the pending pseudo-gradients
+and the error feedback from before the sync, everything the sync reads; a step given a state it
+did not produce (a restored checkpoint) reissues the sync from it, so a resumed run continues
+bit for bit. A sync that cannot exchange (a peer process died, hung or closed its connection)
+raises :class:`jaxcomm.optim.diloco_exchange.SyncError` within ``sync_timeout`` seconds, from
+the step that needs its result: never a silent wrong update.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+import weakref
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm.compressors import Compressor
+from jaxcomm.optim import diloco_stages as stages
+from jaxcomm.optim.diloco_exchange import HostLinks, SyncError, all_gather, all_to_all
+from jaxcomm.optim.diloco_state import DiLoCoState, fragment_offsets
+
+PyTree = Any
+
+
+class BackgroundSpec(NamedTuple):
+    """What the host side needs to know of a ``jc.diloco(..., background=True)``."""
+
+    compressor: Compressor
+    axis_name: str
+    bucket_bytes: int | None
+    sync_every: int
+    fragments: int
+    overlap_steps: int
+    sync_timeout: float
+
+
+_specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_active = threading.local()
+
+
+def register(update_fn, spec: BackgroundSpec) -> None:
+    _specs[update_fn] = spec
+
+
+def background_spec(tx) -> BackgroundSpec | None:
+    """The spec of ``tx`` when it is a ``jc.diloco(..., background=True)``, else ``None``."""
+    update = getattr(tx, "update", None)
+    try:
+        return _specs.get(update)
+    except TypeError:
+        return None
+
+
+@contextlib.contextmanager
+def driven() -> Any:
+    """Trace under this where a :class:`BackgroundSync` runs the syncs (the train step)."""
+    previous = getattr(_active, "on", False)
+    _active.on = True
+    try:
+        yield
+    finally:
+        _active.on = previous
+
+
+def check_driven() -> None:
+    if not getattr(_active, "on", False):
+        raise ValueError(
+            "jaxcomm: diloco(background=True) runs its outer syncs from the step of "
+            "jc.make_train_step (a host thread moves the outer gradient between steps); call it "
+            "through that step, or use background=False"
+        )
+
+
+def issues(t: int, offset: int, sync_every: int) -> bool:
+    return (t - 1) % sync_every == offset and t > 1
+
+
+def _replace_diloco(opt_state, **fields):
+    def swap(node):
+        return node._replace(**fields) if isinstance(node, DiLoCoState) else node
+
+    return jax.tree.map(swap, opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState))
+
+
+def _find(opt_state) -> DiLoCoState:
+    found = []
+    jax.tree.map(
+        lambda n: found.append(n) if isinstance(n, DiLoCoState) else None,
+        opt_state,
+        is_leaf=lambda x: isinstance(x, DiLoCoState),
+    )
+    return found[0]
+
+
+class _Fragment:
+    """The three stage programs of one fragment (compiled on first use)."""
+
+    def __init__(self, spec: BackgroundSpec, mesh, leaves, n: int) -> None:
+        comp, axis = spec.compressor, spec.axis_name
+        self.plan = p = stages.plan(comp, leaves, spec.bucket_bytes, n)
+        per, rep = P(axis), P()
+
+        def local(tree):
+            return jax.tree.map(lambda x: x[0], tree)
+
+        def block(tree):
+            return jax.tree.map(lambda x: x[None], tree)
+
+        def worker(pending, comm):
+            wires, residuals = stages.worker(comp, p, local(pending), local(comm), n)
+            return block(wires), block(residuals), block(jax.tree.map(jnp.copy, local(comm)))
+
+        def server(received, comm):
+            return block(stages.server(comp, p, local(received), local(comm), n))
+
+        def finish(gathered, workers, servers, comm):
+            mean, new = stages.finish(
+                comp, p, gathered, local(workers), local(servers), local(comm), n
+            )
+            return mean, block(new)
+
+        def program(fn, in_specs, out_specs):
+            mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+            return jax.jit(mapped)
+
+        self.worker = program(worker, (per, per), (per, per, per))
+        self.server = program(server, (per, per), (per, per))
+        self.finish = program(finish, (rep, per, per, per), (rep, per))
+
+
+class BackgroundSync:
+    """Runs the outer syncs of a ``jc.diloco(..., background=True)`` beside a train step.
+
+    ``before(state)`` is called with each step's input state and returns the state to run
+    (with the syncs due at this step merged in); ``after(state)`` with its output (issues the
+    syncs of the fragments the step stored). ``jc.make_train_step`` does both.
+    """
+
+    def __init__(self, spec: BackgroundSpec, mesh, axis_name: str) -> None:
+        self.spec, self.mesh = spec, mesh
+        self.n = int(mesh.shape[axis_name])
+        self.offsets = fragment_offsets(spec.sync_every, spec.fragments)
+        self._links = HostLinks(spec.sync_timeout)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxcomm-diloco-sync")
+        self._programs: dict[int, _Fragment] = {}
+        self._inflight: dict[int, tuple[int, concurrent.futures.Future]] = {}
+        self._last: Any = None
+        self._count = 0
+        axis = list(mesh.axis_names).index(axis_name)
+        devices = np.moveaxis(mesh.devices, axis, 0).reshape(self.n, -1)
+        owners = [{d.process_index for d in row} for row in devices]
+        if any(len(o) != 1 for o in owners):
+            raise ValueError(
+                "jaxcomm: diloco(background=True) needs each position of the data axis on one "
+                "process (a mesh whose other axes do not span processes)"
+            )
+        self.owner = [next(iter(o)) for o in owners]
+        self.me = jax.process_index()
+        self.replicated = NamedSharding(mesh, P())
+        self.split = NamedSharding(mesh, P(axis_name))
+
+    # -- the step's hooks ---------------------------------------------------------------------
+
+    def before(self, state):
+        if state is not self._last:  # a state this step did not produce: resume from it
+            diloco = _find(state.opt_state)
+            self._count = int(np.asarray(diloco.count.addressable_data(0)))
+            self._inflight.clear()
+            for f, offset in enumerate(self.offsets):
+                for t_i in range(self._count, self._count - self.spec.overlap_steps, -1):
+                    if t_i >= 1 and issues(t_i, offset, self.spec.sync_every):
+                        if t_i - 1 + self.spec.overlap_steps > self._count:
+                            self._issue(state, f, t_i)
+        t = self._count + 1
+        for f in sorted(self._inflight):
+            t_i, future = self._inflight[f]
+            if t_i - 1 + self.spec.overlap_steps == t:
+                del self._inflight[f]
+                state = self._merge(state, f, t_i, future)
+        return state
+
+    def after(self, state) -> None:
+        t = self._count + 1
+        for f, offset in enumerate(self.offsets):
+            if issues(t, offset, self.spec.sync_every):
+                self._issue(state, f, t)
+        self._count, self._last = t, state
+
+    # -- one sync -----------------------------------------------------------------------------
+
+    def _issue(self, state, f: int, t_i: int) -> None:
+        diloco = _find(state.opt_state)
+        pending, comm = diloco.local.pending[f], diloco.comm[f]
+        if f not in self._programs:
+            shapes = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in pending]
+            self._programs[f] = _Fragment(self.spec, self.mesh, shapes, self.n)
+        programs = self._programs[f]
+        # Dispatched now, before the next step can donate the state it reads.
+        wires, workers, comm = programs.worker(pending, comm)
+        future = self._pool.submit(self._exchange, programs, wires, workers, comm)
+        self._inflight[f] = (t_i, future)
+
+    def _rows(self, arrays) -> dict[int, list[np.ndarray]]:
+        rows: dict[int, list[np.ndarray]] = {}
+        for x in arrays:
+            seen = set()
+            for shard in x.addressable_shards:
+                pos = shard.index[0].start or 0
+                if pos not in seen:
+                    seen.add(pos)
+                    rows.setdefault(pos, []).append(np.asarray(shard.data)[0])
+        return rows
+
+    def _exchange(self, programs: _Fragment, wires, workers, comm):
+        flat, treedef = jax.tree.flatten(wires)
+        received = all_to_all(self._links, self._rows(flat), self.owner, self.me)
+
+        def per_position(i, ref):
+            return jax.make_array_from_callback(
+                ref.shape, self.split, lambda idx: received[idx[0].start or 0][i][None]
+            )
+
+        received = jax.tree.unflatten(treedef, [per_position(i, x) for i, x in enumerate(flat)])
+        wires, servers = programs.server(received, comm)
+        flat, treedef = jax.tree.flatten(wires)
+        gathered = all_gather(self._links, self._rows(flat), self.owner, self.me)
+        gathered = [jax.device_put(g, self.replicated) for g in gathered]
+        gathered = jax.tree.unflatten(treedef, gathered)
+        return programs.finish(gathered, workers, servers, comm)
+
+    def _merge(self, state, f: int, t_i: int, future):
+        timeout = self.spec.sync_timeout
+        try:
+            mean, comm = future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError as err:
+            raise SyncError(
+                f"jaxcomm: DiLoCo's background sync of fragment {f} (issued at step {t_i}) did "
+                f"not finish within sync_timeout={timeout:g} s: a process hung or the link is "
+                "too slow; stopping instead of merging a stale outer gradient"
+            ) from err
+        except SyncError as err:
+            raise SyncError(
+                f"jaxcomm: DiLoCo's background sync of fragment {f} (issued at step {t_i}) "
+                f"failed: {err}"
+            ) from err
+        diloco = _find(state.opt_state)
+        inflight, comms = list(diloco.inflight), list(diloco.comm)
+        inflight[f], comms[f] = list(mean), comm
+        opt_state = _replace_diloco(state.opt_state, inflight=tuple(inflight), comm=tuple(comms))
+        return state._replace(opt_state=opt_state)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._links.close()

@@ -1,0 +1,95 @@
+"""DiLoCo's outer step and schedule helpers: what :func:`jaxcomm.diloco` does at a merge.
+
+:func:`make_outer_step` applies a fragment's reduced outer gradient ``Delta_f`` to the outer
+parameters, ``theta_f <- theta_f + outer.update(Delta_f, outer_state_f, theta_f)``, and mixes
+the local copies, ``x_f <- alpha x_f + (1 - alpha) theta_f``; a non-finite ``Delta_f`` or new
+``theta_f`` skips the merge (all kept) and counts it. :func:`periodic` is the schedule predicate
+of the syncs with the number of steps it is sure to hold (a phase's ``steady``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxcomm._compat import ensure_varying
+from jaxcomm.optim._common import all_finite
+from jaxcomm.optim.diloco_state import check_int
+from jaxcomm.optim.schedule import STEADY_FOREVER
+
+
+def axis_size_of(axis_name, axis_size: int | None) -> int:
+    """``axis_size`` if given, else the bound axis's size, else ``jax.device_count()``."""
+    if axis_size is not None:
+        return check_int("axis_size", axis_size, 1)
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError:
+        return jax.device_count()
+
+
+def check_leaves(leaves: Sequence, fragments: int) -> None:
+    """Floating leaves only, and at least one per fragment."""
+    for leaf in leaves:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(
+                f"jaxcomm: diloco trains floating parameters only, got a leaf of dtype "
+                f"{jnp.result_type(leaf)} (keep integer/bool state outside the optimized tree)"
+            )
+    if fragments > len(leaves):
+        raise ValueError(
+            f"jaxcomm: diloco fragments={fragments} but the parameters have only {len(leaves)} "
+            f"leaves (fragments are sets of whole leaves, leaf i in fragment i % fragments): "
+            f"use fragments <= {len(leaves)}"
+        )
+
+
+def periodic(t, period: int, offset: int, delay: int):
+    """``((t - delay) % period == offset) & (t - delay >= 1)`` and its ``steady``: for how many
+    following steps (``t`` growing by one a step) it is sure to keep its value."""
+    s = jnp.asarray(t, jnp.int32) - delay
+    value = (s % period == offset) & (s >= 1)
+    # Steps to the next s' > s with s' % period == offset and s' >= 1.
+    ahead = (offset - s) % period
+    ahead = jnp.where(ahead == 0, period, ahead)
+    first = jnp.where(offset >= 1, offset, period)  # the first s' >= 1 on the schedule
+    ahead = jnp.where(s + ahead < 1, first - s, ahead)
+    steady = jnp.where(value, 0, ahead - 1).astype(jnp.int32)
+    return value, jnp.minimum(steady, STEADY_FOREVER)
+
+
+def make_outer_step(outer: optax.GradientTransformation, alpha, axis_name: str):
+    """``outer_step(delta, theta, outer_state, local, counts) -> (theta, outer_state, local,
+    counts)`` over a fragment's lists of leaves (``counts``: outer steps skipped, in all and in
+    a row)."""
+    static_alpha_zero = isinstance(alpha, int | float) and float(alpha) == 0.0
+    f32 = jnp.float32
+
+    def outer_step(delta, theta, outer_state, local, counts):
+        updates, new_outer = outer.update(delta, outer_state, theta)
+        new_theta = optax.apply_updates(theta, updates)
+        finite = all_finite(delta, new_theta)
+        new_theta = [jnp.where(finite, a, b) for a, b in zip(new_theta, theta, strict=True)]
+        new_outer = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_outer, outer_state)
+        if static_alpha_zero:
+            merged = [th.astype(x.dtype) for th, x in zip(new_theta, local, strict=True)]
+        else:
+            a = jnp.asarray(alpha, f32)
+            merged = [
+                (a * x.astype(f32) + (1 - a) * th).astype(x.dtype)
+                for th, x in zip(new_theta, local, strict=True)
+            ]
+        merged = [jnp.where(finite, m, x) for m, x in zip(merged, local, strict=True)]
+        skipped, streak = counts
+        counts = (
+            skipped + jnp.where(finite, 0, 1).astype(jnp.int32),
+            jnp.where(finite, 0, streak + 1).astype(jnp.int32),
+        )
+        merged = [ensure_varying(x, axis_name) for x in merged]
+        return new_theta, new_outer, merged, counts
+
+    return outer_step

@@ -31,7 +31,22 @@ def test_vocab_keeps_frequent_characters_and_encode_marks_the_rest():
 
 
 def test_held_out_is_fixed_and_disjoint_from_training():
-    batches = CharBatches.from_corpus(context=8)
+    holdout, context = 0.1, 8
+    batches = CharBatches.from_corpus(context=context, holdout=holdout)
     a, b = batches.held_out(64), batches.held_out(64)
     np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
     assert a[0].max() < batches.vocab_size
+    # The split, rebuilt from the corpus: training is the first 90%, held out the rest, and
+    # no position belongs to both.
+    text = load_corpus()
+    cut = int(len(text) * (1 - holdout))
+    ids = encode(text, batches.vocab)
+    np.testing.assert_array_equal(batches.train, ids[:cut])
+    np.testing.assert_array_equal(batches.test, ids[cut:])
+    # Every held-out window (with its target) lies in the held-out text (windows drawn from
+    # the training split mostly would not: that is the bug this catches).
+    held_text = "".join(batches.vocab[i] for i in ids[cut:])
+    for window, target in zip(a[0], a[1], strict=True):
+        chunk = "".join(batches.vocab[i] for i in window) + batches.vocab[target]
+        assert chunk in held_text, chunk

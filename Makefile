@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo run test test-fast lint bench examples clean
+.PHONY: venv demo run test test-fast lint bench examples docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +33,14 @@ run: venv
 bench: venv
 	$(PY) benchmarks/compressors_1gbit.py
 
+# The documentation site (site/), warnings as errors; the API pages come from the docstrings.
+docs: venv
+	$(PY) -m pip install -q -e ".[docs]"
+	$(VENV)/bin/mkdocs build --strict
+
 # Every runnable file in examples/, with the venv's interpreter (each well under a minute).
 examples: venv
 	@set -e; for f in examples/*.py; do echo "== $$f"; $(PY) $$f; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

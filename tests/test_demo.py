@@ -8,7 +8,7 @@ pytest.importorskip("rich")
 import jax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
-from jaxcomm.cli import demo, demo_report  # noqa: E402
+from jaxcomm.cli import demo, demo_methods, demo_report  # noqa: E402
 from jaxcomm.cli.models import ByteBatches  # noqa: E402
 
 
@@ -92,7 +92,7 @@ def test_diloco_is_evaluated_on_its_outer_parameters():
     mesh = jax.make_mesh((8,), ("dp",), axis_types=(AxisType.Auto,))
     data = ByteBatches.from_corpus(context=cfg.context)
     model = demo.make_model(cfg)
-    tx, _ = demo._optimizer("diloco_int4", cfg, "dp")
+    tx, _ = demo_methods.optimizer_for("diloco_int4", cfg, "dp")
     step, state = jc.make_train_step(mesh, "dp", model.loss, tx, model.init(cfg.seed))
     rng = np.random.default_rng(0)
     for _ in range(cfg.steps):  # a sync after step 4, then 2 local steps
@@ -105,7 +105,7 @@ def test_diloco_is_evaluated_on_its_outer_parameters():
     gap = max(float(np.max(np.abs(a - b))) for a, b in
               zip(jax.tree.leaves(mean), jax.tree.leaves(theta), strict=True))  # fmt: skip
     assert gap > 1e-5  # the local copies have moved on: the check can tell them apart
-    zero_one = demo._optimizer("zero_one_adam", cfg, "dp")[0]
+    zero_one = demo_methods.optimizer_for("zero_one_adam", cfg, "dp")[0]
     per_device = jc.TrainState(state.params, zero_one.init(model.init(cfg.seed)))
     for a, b in zip(jax.tree.leaves(demo.evaluated_params(per_device)), jax.tree.leaves(mean),
                     strict=True):  # fmt: skip

@@ -23,7 +23,11 @@ Which leaf is which is read from the optimizer state's types, the same registry
   re-sliced for ``m``. Its other leaves (the inner step count) are the same on every device and
   are merged as below.
 * **DiLoCo** (a ``jc.DiLoCoState`` in the state): delegated to :func:`jaxcomm.resize_diloco_state`
-  (same rules: local copies averaged, error feedback through ``resize_state``).
+  (same rules: local copies averaged, error feedback through ``resize_state``). With
+  ``jc.SparseLoCo`` outer gradients each new device's residual is the mean of the old ones
+  (``T / n``: the decayed, untransmitted part of the mean outer gradient is kept).
+* **DeMo** (``jc.DemoLocal``): each device's momentum is also what it has not yet sent; every new
+  device gets their mean, so the pending part of the gathered mean is kept (rule below).
 * **other per-device leaves** (0/1 Adam's ``LocalState`` momentum and accumulated local
   updates, DiLoCo's local state, your registered types) and **per-device parameters** (0/1
   Adam): **averaged** over the ``n`` devices (in float64; integer and bool leaves take the

@@ -34,6 +34,15 @@ On TPU the flags go in ``LIBTPU_INIT_ARGS`` (``set_xla_flags("tpu")`` writes the
 On CPU, XLA runs collectives synchronously: there is nothing to overlap and
 ``xla_flags("cpu")`` adds no flag.
 
+Sources: the GPU flags and their defaults are defined in XLA's ``xla/debug_options_flags.cc``.
+The latency-hiding scheduler and the pipelined collectives are the passes XLA's GPU
+optimization level ``O1`` turns on (https://openxla.org/xla/gpu_optimization_levels); the
+scheduler is also JAX's advice (https://docs.jax.dev/en/latest/gpu_performance_tips.html), and
+the combine thresholds are NVIDIA's advice for many small collectives
+(https://docs.nvidia.com/jax-toolbox/performance-profiling/gpu-performance). The TPU flag is
+the compiler option JAX's async-collective tests pass; XLA's flag guide
+(https://openxla.org/xla/flags_guidance) lists the TPU flags for async all-gather.
+
 Usage (before ``import jax`` creates a backend)::
 
     import os, jaxcomm as jc

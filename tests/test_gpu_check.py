@@ -1,0 +1,97 @@
+"""benchmarks/gpu_check.py at small sizes on CPU devices, so the GPU check cannot rot.
+
+The stages it times are checked against NumPy models of the wire formats, their byte counts
+against the arrays they read and write, and its 1-bit Adam step against exact Adam during the
+warm-up (the same algorithm there) and against the 1-bit wire-byte count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import gpu_check  # noqa: E402
+
+N = 8 * 2048  # whole int8 blocks and whole sign bytes
+
+
+@pytest.fixture(scope="module")
+def stages():
+    return gpu_check.stage_functions()
+
+
+@pytest.fixture(scope="module")
+def x():
+    return np.random.default_rng(0).standard_normal(N).astype(np.float32)
+
+
+def test_onebit_stages_match_numpy(stages, x):
+    _, compress, _ = stages["onebit compress"]
+    packed, scale, error = (np.asarray(a) for a in compress(jnp.asarray(x)))
+    ref_scale = np.linalg.norm(x.astype(np.float64)) / math.sqrt(N)
+    np.testing.assert_array_equal(packed, np.packbits(x >= 0))  # most significant bit first
+    np.testing.assert_allclose(scale, ref_scale, rtol=1e-6)
+    sign = np.where(x >= 0, 1.0, -1.0)
+    np.testing.assert_allclose(error, x - ref_scale * sign, rtol=1e-6, atol=1e-6 * ref_scale)
+    inputs, decompress, _ = stages["onebit decompress"]
+    out = np.asarray(decompress(*inputs(jnp.asarray(x))))
+    np.testing.assert_allclose(out, ref_scale * sign, rtol=1e-6)
+
+
+def test_int8_stages_match_numpy(stages, x):
+    _, compress, _ = stages["int8 compress"]
+    q, inv = (np.asarray(a) for a in compress(jnp.asarray(x)))
+    blocks = x.reshape(-1, 2048)
+    scale = 256.0 / (2.0 * np.abs(blocks).max(axis=1))
+    ref_q = np.clip(np.round(blocks * scale[:, None].astype(np.float32)), -128, 127)
+    # The scaled value may round differently at exact halves in fp32 vs NumPy: off by one, rarely.
+    assert np.abs(q.astype(np.int32) - ref_q).max() <= 1
+    assert np.mean(q == ref_q) > 0.999
+    np.testing.assert_allclose(inv, 1.0 / scale, rtol=1e-6)
+    inputs, decompress, _ = stages["int8 decompress"]
+    out = np.asarray(decompress(*inputs(jnp.asarray(x))))
+    np.testing.assert_allclose(out, (q * inv[:, None]).reshape(-1), rtol=1e-6)
+    # Within half a step (1 / scale) of the input; a block's positive absmax (scaled to 128)
+    # is clipped to 127, a whole step.
+    clipped = (blocks * scale[:, None]).reshape(-1) >= 127.5
+    bound = np.where(clipped, 1.0, 0.5) / np.repeat(scale, 2048)
+    assert np.all(np.abs(out - x) <= bound + 4 * np.finfo(np.float32).eps * np.abs(x))  # fp32
+
+
+def test_stage_byte_counts_are_what_the_arrays_hold(stages, x):
+    for name, (inputs, fn, moved) in stages.items():
+        args = inputs(jnp.asarray(x))
+        outs = jax.tree.leaves(fn(*args))
+        read = sum(np.asarray(a).nbytes for a in args if np.ndim(a) > 0)
+        written = sum(np.asarray(o).nbytes for o in outs if np.ndim(o) > 0)  # scalars: noise
+        assert moved(N) == read + written, name
+
+
+def test_gpu_check_runs_on_cpu(tmp_path):
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--cpu", "--small", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [s["stage"] for s in r["stages"]][0].startswith("copy")
+    assert all(s["seconds"] > 0 for s in r["stages"])
+    # overlap_gpu.py ran both modes in their own processes.
+    assert set(r["overlap"]) == {"overlap", "serial"}
+    steps = r["train_step"]
+    # Warm-up: 1-bit Adam is exact Adam; 3 steps of lr 1e-3 differ only by fp32 rounding.
+    assert steps["warmup_max_abs_diff"] <= gpu_check.FREEZE * 1e-3 * 1e-4
+    n, size = steps["devices"], r["sizes"]
+    numel = size["width"] ** 2  # each layer is a bucket of its own (larger than bucket_mb)
+    ring = 2 * (n - 1) / n
+    exact = ring * 4 * numel * size["layers"]
+    # Per bucket and stage: signs (numel / 8 bytes) plus n fp32 scales; ring-model bytes.
+    onebit = ring * (numel / 8 + 4 * n) * size["layers"]
+    assert steps["exact Adam"]["wire_bytes"] == pytest.approx(exact, rel=1e-3)
+    # Up to a few scalar flags and counters beside the signs.
+    assert onebit <= steps["1-bit Adam"]["wire_bytes"] <= onebit + 64 * n

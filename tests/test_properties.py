@@ -6,7 +6,7 @@ reduce-scatter, its all-gather and a psum of all-zero input, and the test checks
 
 * ``NoCompression`` equals the exact sum (NumPy, float64), integers and bools bit for bit;
 * error feedback: ``psum_out + T_new == sum_r x_r + T_old`` per compressed bucket, where ``T``
-  is the pending sum of the per-device states (:func:`jaxcomm.elastic.resize.pending_sum`);
+  is the pending sum of the per-device states (``Compressor.pending_sum``);
 * the all-gather of the scatter's shards puts every device's shard back where it came from
   (and, for ``NoCompression``, gives the exact sum);
 * every output keeps the dtype ``lax.psum`` / ``lax.pmean`` would give;
@@ -29,7 +29,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
 from jaxcomm.comm.buckets import plan_buckets
-from jaxcomm.elastic.resize import pending_sum
 
 DTYPES = [np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.int32),
           np.dtype(np.bool_)]
@@ -153,8 +152,8 @@ def test_collective_properties(comp, spec, n, bucket_bytes, seed):
         per_dev = lambda s, b=b: [  # noqa: E731
             jax.tree.map(lambda a, r=r: a.reshape(n, -1)[r], s.buckets[b]) for r in range(n)
         ]
-        t_old = pending_sum(per_dev(s1), bucket, "all_reduce")
-        t_new = pending_sum(per_dev(s2), bucket, "all_reduce")
+        t_old = comp.pending_sum(per_dev(s1), bucket, "all_reduce")
+        t_new = comp.pending_sum(per_dev(s2), bucket, "all_reduce")
         keys = [names[i] for i in bucket.leaf_ids]
         out = np.concatenate([o2[k].astype(np.float64).reshape(-1) for k in keys])
         inp = np.concatenate([y[k].astype(np.float64).sum(0).reshape(-1) for k in keys])

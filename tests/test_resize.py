@@ -6,6 +6,8 @@ end equal the summed inputs, ``sum_t psum_out_t + T_end == sum_t sum_r x_{t,r}``
 duplicating error feedback at the restart breaks it by the lost amount.
 """
 
+import warnings
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -17,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
 from jaxcomm.comm.buckets import plan_buckets
-from jaxcomm.elastic.resize import pending_sum
 
 SHAPES = {"b": (5,), "w": (6, 7)}  # tree order: b, w (one fp32 bucket)
 LOCAL = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
@@ -59,7 +60,7 @@ def pending(comp, op, n, gstate):
     bucket = plan_buckets(jax.tree.leaves(LOCAL), None, comp.compute_dtype)[0]
     per_device = [jax.tree.map(lambda x, r=r: np.asarray(x).reshape(n, -1)[r], gstate.buckets[0])
                   for r in range(n)]
-    return pending_sum(per_device, bucket, op)
+    return comp.pending_sum(per_device, bucket, op)
 
 
 def flat(tree):
@@ -131,6 +132,84 @@ class _Custom(jc.Compressor):
 
     def reduce_scatter(self, rows, state, *, axis_name, axis_size, mean):
         raise NotImplementedError
+
+
+class _Residual(NamedTuple):
+    error: jax.Array
+
+
+class _CountedResidual(NamedTuple):
+    error: jax.Array
+    calls: jax.Array
+
+
+@dataclass(frozen=True)
+class _ScaledSign(jc.Compressor):
+    """A user compressor: ``q = mean|x + e| sign(x + e)`` summed over the axis, ``e <- x + e - q``.
+
+    ``counted``: its state also counts the calls, a leaf the default resize does not know, so
+    it says itself how its state resizes (``pending_sum`` / ``with_pending``).
+    """
+
+    counted: bool = False
+
+    def init_all_reduce_state(self, numel, axis_size):
+        error = jnp.zeros((numel,), jnp.float32)
+        return _CountedResidual(error, jnp.zeros((1,), jnp.int32)) if self.counted else _Residual(
+            error
+        )
+
+    def all_reduce(self, flat, state, *, axis_name, axis_size):
+        buf = flat + state.error.reshape(flat.shape)
+        q = jnp.mean(jnp.abs(buf)) * jnp.where(buf >= 0, 1.0, -1.0)
+        out = jax.lax.psum(q, axis_name)
+        error = (buf - q).reshape(state.error.shape)
+        if self.counted:
+            return out, _CountedResidual(error, state.calls + 1)
+        return out, _Residual(error)
+
+    def reduce_scatter(self, rows, state, *, axis_name, axis_size):
+        raise NotImplementedError
+
+    def pending_sum(self, states, bucket, op):
+        if not self.counted:
+            return super().pending_sum(states, bucket, op)
+        return sum(np.asarray(s.error, np.float64) for s in states)
+
+    def with_pending(self, share, template, bucket, op, *, axis_size, old):
+        if not self.counted:
+            return super().with_pending(share, template, bucket, op, axis_size=axis_size, old=old)
+        return _CountedResidual(share, np.max([np.asarray(s.calls) for s in old], axis=0))
+
+
+@pytest.mark.parametrize("counted", [False, True], ids=["default-resize", "own-resize"])
+@pytest.mark.parametrize(("n", "m"), [(8, 3), (3, 8)])
+def test_a_compressor_defined_outside_the_library_resizes_its_own_state(counted, n, m):
+    """The protocol carries the resize: no edit of jaxcomm, no warning, the pending sum kept."""
+    comp, op = _ScaledSign(counted), "all_reduce"
+    totals = {key: {k: np.zeros(s) for k, s in SHAPES.items()} for key in ("in", "out")}
+    gstate = jax.tree.map(lambda s: jnp.concatenate([s] * n), jc.init_state(comp, LOCAL,
+                                                                            axis_size=n))
+    gstate = run(make_step(comp, op, n), op, n, gstate, range(3), totals)
+    before = pending(comp, op, n, gstate)
+    # The invariant, observed: inputs minus outputs so far (NumPy, float64).
+    np.testing.assert_allclose(before, flat(totals["in"]) - flat(totals["out"]), atol=1e-4)
+    assert np.abs(before).max() > 1e-2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a reset would warn
+        resized = jc.resize_state(
+            gstate, comp, LOCAL, axis_size=n, new_axis_size=m, layout="concatenated"
+        )
+    shares = np.asarray(resized.buckets[0].error).reshape(m, -1)
+    np.testing.assert_allclose(shares, np.broadcast_to(before / m, shares.shape), rtol=1e-6,
+                               atol=1e-7)
+    if counted:
+        np.testing.assert_array_equal(np.asarray(resized.buckets[0].calls), [3] * m)
+
+    gstate = run(make_step(comp, op, m), op, m, resized, range(3, 6), totals)
+    after = pending(comp, op, m, gstate)
+    np.testing.assert_allclose(after, flat(totals["in"]) - flat(totals["out"]), atol=2e-4)
 
 
 def test_unknown_state_type_is_reset_with_a_warning():

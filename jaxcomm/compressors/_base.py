@@ -19,6 +19,7 @@ Integer and bool leaves never reach a compressor: they are reduced exactly by th
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,12 @@ import numpy as np
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
-from jaxcomm.comm.buckets import Bucket, split_concatenated
+from jaxcomm.comm.buckets import (
+    Bucket,
+    concatenated_to_rank_major,
+    rank_major_to_concatenated,
+    split_concatenated,
+)
 
 
 class Compressor(abc.ABC):
@@ -176,6 +182,42 @@ class Compressor(abc.ABC):
         finite = probes_finite(self.finite_probe(row, new))
         return row, keep_if(finite, new, state), finite
 
+    # Host side, in NumPy: moving one bucket's error feedback onto another number of devices
+    # (jaxcomm.elastic.resize_state). A compressor owns its state's layout, so it says what the
+    # state still owes the sum and how a new device holds its share of that.
+
+    def pending_sum(self, states: Sequence[Any], bucket: Bucket, op: str) -> np.ndarray | None:
+        """What one bucket's error feedback on ``n = len(states)`` devices has not transmitted
+        yet: the float64 ``(N,)`` vector ``T`` (the bucket's real coordinates, the units of
+        ``compressed_psum``) with ``sum_t out_t == sum_t sum_r x_{t,r} + T_start - T_end``.
+
+        ``None``: not known (:func:`jaxcomm.elastic.resize_state` then restarts the bucket's
+        error feedback at zero, with a warning). The default knows a state whose one leaf is a
+        residual ``(N,)`` of the all-reduce input: ``T`` is its sum over the devices.
+        """
+        rows = [jax.tree_util.tree_leaves(s) for s in states]
+        if op != "all_reduce" or not all(
+            len(r) == 1 and np.shape(r[0]) == (bucket.numel,) for r in rows
+        ):
+            return None
+        return sum(np.asarray(r[0], np.float64) for r in rows)
+
+    def with_pending(
+        self,
+        share: np.ndarray,
+        template: Any,
+        bucket: Bucket,
+        op: str,
+        *,
+        axis_size: int,
+        old: Sequence[Any],
+    ) -> Any:
+        """One of ``axis_size`` new devices' bucket state holding ``share`` (fp32 ``(N,)``,
+        ``T / axis_size``) of :meth:`pending_sum`. ``template`` is its initial state (NumPy),
+        ``old`` the old devices' states (for what they share besides the error feedback)."""
+        del bucket, op, axis_size, old
+        return jax.tree_util.tree_structure(template).unflatten([share])
+
 
 def probes_finite(probes) -> jax.Array:
     """True iff every element of every array in ``probes`` is finite (bool scalar)."""
@@ -199,6 +241,21 @@ def mean_or_fallback(
     pieces = split_concatenated(mean, bucket)
     leaves = [p.reshape(shape) for p, shape in zip(pieces, bucket.shapes, strict=True)]
     return [jnp.where(finite, x, f) for x, f in zip(leaves, fallback, strict=True)], finite
+
+
+def rank_major_pending(errors: Sequence[np.ndarray], bucket: Bucket) -> np.ndarray:
+    """The summed reduce-scatter residuals of ``n`` devices (each ``(n * row,)`` in the
+    rank-major layout of ``n`` rows), in the bucket's real coordinates (float64 ``(N,)``)."""
+    n = len(errors)
+    rows = [np.asarray(e, np.float64).reshape(n, -1) for e in errors]
+    return sum(rank_major_to_concatenated(e, bucket, n, xp=np) for e in rows)
+
+
+def rank_major_share(share: np.ndarray, bucket: Bucket, axis_size: int, length: int) -> np.ndarray:
+    """``share`` (``(N,)``) as a reduce-scatter residual of ``length`` elements: ``axis_size``
+    rank-major rows, flattened."""
+    rows = concatenated_to_rank_major(share, bucket, axis_size, length // axis_size, xp=np)
+    return rows.reshape(-1)
 
 
 def keep_if(finite: jax.Array, new: Any, old: Any) -> Any:

@@ -8,15 +8,17 @@ all_gather); each stage keeps its residual. :class:`TwoStageState` holds both re
 from __future__ import annotations
 
 import abc
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
 from jaxcomm.comm.buckets import ceil_div
-from jaxcomm.compressors._base import Compressor
+from jaxcomm.compressors._base import Compressor, rank_major_pending, rank_major_share
 
 
 class TwoStageState(NamedTuple):
@@ -38,7 +40,34 @@ class TwoStageScatterState(NamedTuple):
     worker_error: jax.Array
 
 
-class ReduceInFp32(Compressor):
+class TwoStageFeedback(Compressor):
+    """A compressor whose bucket states are :class:`TwoStageState` (all-reduce) and
+    :class:`TwoStageScatterState` (reduce-scatter): their host-side resize.
+
+    All-reduce: ``T = sum_r w_r[:N] + n * S[:N]`` with ``S = concat_r server_error_r`` (server
+    chunk ``r`` covers ``[r c, (r+1) c)``; the server residual is in the units of the mean). The
+    residual in padding positions is not gradient information and is dropped. Reduce-scatter:
+    the worker residuals' rank-major rows, mapped back to the bucket's coordinates.
+    """
+
+    def pending_sum(self, states: Sequence[Any], bucket, op: str) -> np.ndarray | None:
+        if op != "all_reduce":
+            return rank_major_pending([s.worker_error for s in states], bucket)
+        numel = bucket.numel
+        worker = sum(np.asarray(s.worker_error, np.float64)[:numel] for s in states)
+        server = np.concatenate([np.asarray(s.server_error, np.float64) for s in states])
+        return worker + len(states) * server[:numel]
+
+    def with_pending(self, share, template, bucket, op, *, axis_size, old):
+        if op != "all_reduce":
+            length = template.worker_error.shape[0]
+            return type(template)(rank_major_share(share, bucket, axis_size, length))
+        worker = np.zeros(template.worker_error.shape, np.float32)
+        worker[: bucket.numel] = share
+        return type(template)(worker, np.zeros(template.server_error.shape, np.float32))
+
+
+class ReduceInFp32(TwoStageFeedback):
     """Skeleton of ``compress -> all_to_all -> decompress and reduce in fp32 -> recompress ->
     all_gather`` (ByteGrad, torchft, ZeRO++ qgZ): compressed values are never summed on the wire.
 

@@ -12,8 +12,7 @@ from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
 from jaxcomm.comm.buckets import round_up
-from jaxcomm.compressors._base import Compressor
-from jaxcomm.compressors._two_stage import TwoStageScatterState, TwoStageState
+from jaxcomm.compressors._two_stage import TwoStageFeedback, TwoStageScatterState, TwoStageState
 
 # Bit k of a packed byte (most significant first) holds element 8*i + k: DeepSpeed's order.
 _BIT_SHIFTS = np.arange(7, -1, -1, dtype=np.uint8)
@@ -126,7 +125,7 @@ def _padded_length(numel: int, axis_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class OneBit(Compressor):
+class OneBit(TwoStageFeedback):
     """DeepSpeed's 1-bit compressed all-reduce with two-stage error feedback.
 
     For a bucket ``x`` of length ``N`` zero-padded to ``Np`` (a multiple of ``8n``), on device

@@ -142,6 +142,14 @@ class PowerSGD(Compressor):
             error=jnp.zeros((bucket.numel,), jnp.float32), q=q, step=jnp.zeros((1,), jnp.int32)
         )
 
+    def pending_sum(self, states, bucket, op):
+        """``sum_r e_r`` (``q`` and ``step`` are the same on every device)."""
+        return sum(np.asarray(s.error, np.float64) for s in states)
+
+    def with_pending(self, share, template, bucket, op, *, axis_size, old):
+        step = np.max([np.asarray(s.step) for s in old], axis=0)
+        return PowerSGDState(error=share, q=np.asarray(old[0].q), step=step)
+
     def all_reduce(self, flat, state, *, axis_name, axis_size):
         raise TypeError(
             "jaxcomm: PowerSGD needs the leaves' shapes; call it through jc.compressed_psum / "

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
-from jaxcomm.compressors._base import Compressor
+from jaxcomm.compressors._base import Compressor, rank_major_pending, rank_major_share
 
 
 class TopKState(NamedTuple):
@@ -71,6 +71,17 @@ class TopK(Compressor):
         if not self.error_feedback:
             return ()
         return TopKState(jnp.zeros((axis_size * row_numel,), jnp.float32))
+
+    def pending_sum(self, states, bucket, op):
+        """The residuals' sum; a reduce-scatter's rows mapped back to the bucket's coordinates."""
+        if op == "all_reduce":
+            return super().pending_sum(states, bucket, op)
+        return rank_major_pending([s.error for s in states], bucket)
+
+    def with_pending(self, share, template, bucket, op, *, axis_size, old):
+        if op == "all_reduce":
+            return TopKState(share)
+        return TopKState(rank_major_share(share, bucket, axis_size, template.error.shape[0]))
 
     def _select(self, buf: jax.Array, k: int, state):
         """Top-k of each row of ``buf``; the new residual (``buf`` minus what is sent)."""

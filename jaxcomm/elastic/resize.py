@@ -12,23 +12,14 @@ with inputs ``x_t`` on each device,
 
     ``sum_t psum_output_t == sum_t sum_r x_{t,r} + T_start - T_end``.
 
-Per state type (device ``r`` of ``n``; worker residuals are in the units of one device's input,
-server residuals in the units of the mean):
-
-* ``OneBitState`` / ``TwoStageState`` (Quantize, Cast): ``T = sum_r w_r[:N] + n * S[:N]``
-  with ``S = concat_r server_error_r`` (server chunk ``r`` covers ``[r c, (r+1) c)``);
-  the residual in padding positions is not gradient information and is dropped.
-* ``TopKState``, ``PowerSGDState``: ``T = sum_r e_r`` (PowerSGD's ``q`` and ``step`` are
-  the same on every device and are kept).
-* Reduce-scatter states (``OneBitScatterState``, ``TwoStageScatterState``, ``TopKState``):
-  worker residuals in the rank-major layout of ``n`` rows, mapped back to real coordinates.
-
-:func:`resize_state` computes ``T`` on the old layout and gives each of the ``m`` new devices
-``T / m`` as its worker residual (server residuals start at zero), so ``T`` is exactly
-preserved (up to fp32 rounding) and the identity above holds across the restart. With
+The compressor owns its state's layout: ``compressor.pending_sum(states, bucket, op)`` computes
+``T`` from the old devices' states, and ``compressor.with_pending(T / m, ...)`` builds each of
+the ``m`` new devices' states around its share (``jc.Compressor`` documents both; the two-stage
+compressors put it in the worker residual and start the server residual at zero), so ``T`` is
+exactly preserved (up to fp32 rounding) and the identity above holds across the restart. With
 ``compressed_pmean`` this means the untransmitted gradients keep their weight in the *sum*: as
-each device's gradient now counts ``1/m`` of the mean, so does theirs. A state type it does not
-know (your own compressor), or ``reset=True``, gives zeros with a ``UserWarning`` saying what
+each device's gradient now counts ``1/m`` of the mean, so does theirs. A compressor whose
+``pending_sum`` is ``None``, or ``reset=True``, gives zeros with a ``UserWarning`` saying what
 was dropped. The non-finite counter of every new device is the largest old one.
 
 Layouts: ``"stacked"`` (``(n, *local)`` per leaf: :mod:`jaxcomm.train.layout`'s global layout and
@@ -39,68 +30,16 @@ collectives' examples). Everything runs on the host, in NumPy.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
 import numpy as np
 
-from jaxcomm.comm.buckets import Bucket, concatenated_to_rank_major, rank_major_to_concatenated
 from jaxcomm.comm.state import STATE_TYPES, init_state, plan_tree
-from jaxcomm.compressors import (
-    Compressor,
-    PowerSGDState,
-    TopKState,
-    TwoStageScatterState,
-    TwoStageState,
-)
+from jaxcomm.compressors import Compressor
 
 PyTree = Any
 Layout = Literal["stacked", "concatenated"]
-
-
-def pending_sum(states: Sequence[Any], bucket: Bucket, op: str) -> np.ndarray | None:
-    """The pending sum ``T`` (float64, ``(N,)``) of one bucket's ``n`` per-device states, or
-    ``None`` for a state type without a known layout."""
-    n = len(states)
-    numel = bucket.numel
-    first = states[0]
-    if isinstance(first, TwoStageState):
-        worker = sum(np.asarray(s.worker_error, np.float64)[:numel] for s in states)
-        server = np.concatenate([np.asarray(s.server_error, np.float64) for s in states])
-        return worker + n * server[:numel]
-    if isinstance(first, PowerSGDState):
-        return sum(np.asarray(s.error, np.float64) for s in states)
-    if isinstance(first, TwoStageScatterState | TopKState):
-        errors = [
-            np.asarray(s.worker_error if not isinstance(s, TopKState) else s.error, np.float64)
-            for s in states
-        ]
-        if isinstance(first, TopKState) and op == "all_reduce":
-            return sum(errors)
-        return sum(rank_major_to_concatenated(e.reshape(n, -1), bucket, n, xp=np) for e in errors)
-    return None
-
-
-def _spread(template: Any, total: np.ndarray, bucket: Bucket, m: int, op: str, old) -> Any:
-    """One new device's bucket state carrying ``total / m`` (``template``: its zeros)."""
-    share = (total / m).astype(np.float32)
-    if isinstance(template, TwoStageState):
-        worker = np.zeros(template.worker_error.shape, np.float32)
-        worker[: bucket.numel] = share
-        return type(template)(worker, np.zeros(template.server_error.shape, np.float32))
-    if isinstance(template, PowerSGDState):
-        return PowerSGDState(
-            error=share,
-            q=np.asarray(old[0].q),
-            step=np.max([np.asarray(s.step) for s in old], axis=0),
-        )
-    if isinstance(template, TopKState) and op == "all_reduce":
-        return TopKState(share)
-    field = template.error if isinstance(template, TopKState) else template.worker_error
-    row_length = field.shape[0] // m
-    rows = concatenated_to_rank_major(share, bucket, m, row_length, xp=np).reshape(-1)
-    return type(template)(rows)
 
 
 def _split(state: PyTree, n: int, layout: Layout) -> list[PyTree]:
@@ -198,15 +137,19 @@ def resize_state(
     for k, bucket in enumerate(buckets):
         old = [s.buckets[k] for s in states]
         template = jax.tree.map(np.asarray, new_template.buckets[k])
-        total = None if reset or not jax.tree.leaves(template) else pending_sum(old, bucket, op)
-        if total is None and jax.tree.leaves(template):
+        stateful = bool(jax.tree.leaves(template))
+        total = compressor.pending_sum(old, bucket, op) if stateful and not reset else None
+        if total is None and stateful:
             dropped.append(f"bucket {k} ({type(template).__name__})")
         for r in range(m):
-            new_buckets[r].append(
-                template if total is None else _spread(template, total, bucket, m, op, old)
-            )
+            if total is None:
+                new_buckets[r].append(template)
+                continue
+            share = (total / m).astype(np.float32)
+            state_r = compressor.with_pending(share, template, bucket, op, axis_size=m, old=old)
+            new_buckets[r].append(state_r)
     if dropped:
-        why = "reset=True" if reset else "no known layout for this state type"
+        why = "reset=True" if reset else f"no known layout: {type(compressor).__name__}.pending_sum is None"
         warnings.warn(
             f"jaxcomm: resize_state from {n} to {m} devices reset the error feedback of "
             f"{', '.join(dropped)} ({why}): its untransmitted gradient information is lost",

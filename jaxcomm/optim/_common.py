@@ -15,8 +15,8 @@ from jax import lax
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.all_reduce import compressed_pmean, compressed_pmean_or_fallback
+from jaxcomm.comm.state import ReduceState, plan_tree
 from jaxcomm.comm.state import check_compressor as check_compressor
-from jaxcomm.comm.state import plan_tree
 from jaxcomm.compressors import Compressor, NoCompression
 from jaxcomm.compressors import keep_if as keep_if
 from jaxcomm.optim.schedule import recording_phases
@@ -152,6 +152,18 @@ def floating_buckets(tree: PyTree, compressor: Compressor, bucket_bytes: int | N
     """How many non-empty floating buckets the collectives cut ``tree`` into."""
     _, _, buckets = plan_tree(tree, compressor, bucket_bytes)
     return sum(1 for b in buckets if b.numel and not b.exact)
+
+
+def keep_error_feedback(ok, new, old, tree, compressor, bucket_bytes):
+    """The collectives' new state, or on a skipped step (``ok`` false) every bucket's old one.
+
+    Each bucket's guard keeps only its own error feedback when its own mean is not finite; an
+    optimizer that skips the whole step keeps all of them (the count of non-finite calls still
+    moves). With one floating bucket the guard has already done it: no select.
+    """
+    if not isinstance(new, ReduceState) or floating_buckets(tree, compressor, bucket_bytes) <= 1:
+        return new
+    return new._replace(buckets=keep_if(ok, new.buckets, old.buckets))
 
 
 def varying(tree: PyTree, axis_name: str) -> PyTree:

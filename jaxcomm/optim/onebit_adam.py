@@ -43,6 +43,7 @@ from jaxcomm.optim._common import (
     exact_mean,
     f32,
     floating_buckets,
+    keep_error_feedback,
     keep_if,
     learning_rate_at,
     mean_finite,
@@ -260,13 +261,7 @@ def scale_by_onebit_adam(
         # step is taken of the kept moments: taken of the new ones, XLA copied mu and nu.)
         mu = mu if fallback_is_skip else keep_if(ok, mu, state.mu)
         nu = keep_if(ok, nu, state.nu)
-        if (
-            isinstance(comm, ReduceState)
-            and floating_buckets(state.mu, compressor, bucket_bytes) > 1
-        ):
-            # Each bucket's guard kept only its own error feedback: a skipped step keeps every
-            # bucket's, as it keeps the moments (the count of non-finite calls still moves).
-            comm = comm._replace(buckets=keep_if(ok, comm.buckets, state.comm.buckets))
+        comm = keep_error_feedback(ok, comm, state.comm, state.mu, compressor, bucket_bytes)
         if not precondition:
             step = jax.tree.map(lambda m, den: (m / c1) / den, mu, denominator(nu, frozen))
         elif frozen is True:

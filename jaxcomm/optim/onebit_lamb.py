@@ -29,6 +29,7 @@ from jaxcomm.optim._common import (
     ema,
     exact_mean,
     f32,
+    keep_error_feedback,
     keep_if,
     learning_rate_at,
     norm,
@@ -368,6 +369,8 @@ def onebit_lamb(
             skipped=skipped,
             skipped_total=state.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32),
         )
+        comm = keep_error_feedback(ok, comm, state.comm, state.mu, compressor, bucket_bytes)
+        candidate = candidate._replace(comm=comm)
         old = state._replace(
             comm=comm, skipped=candidate.skipped, skipped_total=candidate.skipped_total
         )

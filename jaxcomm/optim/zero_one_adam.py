@@ -36,6 +36,7 @@ from jaxcomm.optim._common import (
     exact_mean,
     f32,
     is_static_zero,
+    keep_error_feedback,
     keep_if,
     learning_rate_at,
     mean_finite,
@@ -542,6 +543,7 @@ def zero_one_adam(
         )
         new_mu, new_u, delta = unzip(leaves, g, 3)
         lrs = jnp.where(kind == 2, lrs_sync, jnp.where(kind == 3, 0.0, state.lrs))
+        comm = keep_error_feedback(ok, comm, state.comm, g, compressor, bucket_bytes)
         candidate = ZeroOneAdamState(
             count=t,
             lrs=lrs.astype(jnp.float32),

@@ -55,8 +55,8 @@ def main() -> None:
 
     import jax
     import optax
-
     from _two_ranks import provenance
+
     from jaxcomm.cli.demo import DemoConfig, check_methods, run
 
     cfg = DemoConfig(steps=args.steps, devices=args.devices, seed=args.seed,

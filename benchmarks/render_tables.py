@@ -1,0 +1,306 @@
+"""Render the measured tables of README.md and docs/benchmarks.md from benchmarks/results/.
+
+Every figure a user reads comes from a results file that records how it was measured (the
+command, the jaxcomm and JAX versions, the machine, the date; see ``provenance()`` in
+``_two_ranks.py``). This script reads those files and rewrites the text between the marker
+comments ``<!-- BEGIN generated: NAME -->`` and ``<!-- END generated: NAME -->``; a field a
+file does not record is shown as "not recorded", never filled in. ``tests/test_docs_tables.py``
+checks that the committed pages equal what this renders from the committed files.
+
+Usage::
+
+    python benchmarks/render_tables.py           # rewrite the pages
+    python benchmarks/render_tables.py --check   # exit 1 if a page differs from its results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PAGES = (ROOT / "README.md", ROOT / "docs" / "benchmarks.md")
+MISSING = "not recorded"
+BLOCK = re.compile(
+    r"(<!-- BEGIN generated: (?P<name>[\w-]+) .*?-->\n)(?P<body>.*?)"
+    r"(<!-- END generated: (?P=name) -->)",
+    re.S,
+)
+
+# The demo's optimizers: how the tables name them, and when to pick one (advice, not a number).
+METHODS = {
+    "adam": ("Adam, exact mean every step",
+             "fast links (NVLink, ICI, InfiniBand): nothing to save"),
+    "compressed_mean": ("`compressed_mean` (1-bit) + `optax.adam`",
+                        "momentum SGD or sign methods; with Adam use int8 + error feedback"),
+    "onebit_adam": ("`jc.onebit_adam`", "Adam over a slow data-parallel link (Ethernet)"),
+    "zero_one_adam": ("`jc.zero_one_adam`", "as 1-bit Adam, with fewer bytes still"),
+    "onebit_lamb": ("`jc.onebit_lamb` (lr 0.01)", "large-batch LAMB over a slow link"),
+    "diloco_int4": ("`jc.diloco`, H = 50, int4 outer gradients",
+                    "very slow links (across sites): one sync per H steps"),
+    "sharded_int8": ("`jc.sharded(adam)`, int8 both ways",
+                     "the optimizer state does not fit on one device"),
+}
+# Rows of user_path.json that time a demo optimizer's train step (same optimizer, other model).
+STEP_ROWS = {"adam": "exact_adam", "onebit_adam": "onebit_adam", "zero_one_adam": "zero_one_adam"}
+
+
+def load_results(results: Path = RESULTS) -> dict[str, dict]:
+    """Every results file, by its path relative to ``results`` (sorted)."""
+    return {
+        str(p.relative_to(results)): json.loads(p.read_text())
+        for p in sorted(results.rglob("*.json"))
+    }
+
+
+def provenance(doc: dict) -> dict[str, str]:
+    """The provenance fields of a results file, ``MISSING`` where it does not record one."""
+    versions = doc.get("versions", {})
+    machine = doc.get("machine", {})
+    cores = machine.get("cores", machine.get("cpus"))
+    cpu = machine.get("cpu")
+    return {
+        "command": f"`{doc['command']}`" if doc.get("command") else MISSING,
+        "jaxcomm": doc.get("jaxcomm", versions.get("jaxcomm", MISSING)),
+        "jax": doc.get("jax", versions.get("jax", MISSING)),
+        "machine": ", ".join([cpu if cpu else f"CPU model {MISSING}",
+                              f"{cores} cores" if cores else f"cores {MISSING}"]),
+        "date": doc.get("date", MISSING)[:10],
+        "commit": f"`{doc['commit'][:12]}`" if doc.get("commit") else MISSING,
+    }
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def mb(x: float) -> str:
+    return f"{x / 1e6:.1f} MB"
+
+
+def ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms"
+
+
+def find(results: dict[str, dict], test) -> tuple[str, dict] | tuple[None, None]:
+    for name, doc in results.items():
+        if test(name, doc):
+            return name, doc
+    return None, None
+
+
+def is_demo(name, doc):
+    return doc.get("benchmark") == "demo_quality"
+
+
+def is_user_path(name, doc):
+    return "readme_onebit" in doc.get("step_s", {})
+
+
+def is_torch_peer(name, doc):
+    return "torch_fp32" in doc.get("step_s", {})
+
+
+def is_aot(name, doc):
+    return any("topology" in r for r in doc.get("rows", []))
+
+
+def source(name: str | None) -> str:
+    return f"`benchmarks/results/{name}`" if name else "no results file"
+
+
+def choose(results: dict[str, dict]) -> str:
+    """The README's table: quality and traffic on the demo task, step time at 1 Gbit/s."""
+    demo_name, demo = find(results, is_demo)
+    path_name, path = find(results, is_user_path)
+    step = path["step_s"] if path else {}
+    base = {r["method"]: r for r in demo["rows"]}.get("adam") if demo else None
+    rows = []
+    for method, (label, when) in METHODS.items():
+        row = next((r for r in demo["rows"] if r["method"] == method), None) if demo else None
+        if row and base and not row.get("diverged"):
+            loss = f"{100 * (row['eval_loss'] / base['eval_loss'] - 1):+.1f}%"
+            traffic = ("1x" if method == "adam"
+                       else f"{base['total_bytes'] / row['total_bytes']:.1f}x less")
+        else:
+            loss = traffic = "diverged" if row and row.get("diverged") else "not measured"
+        key = STEP_ROWS.get(method)
+        if key in step and "exact_adam" in step:
+            t = step[key]
+            time = ms(t) if method == "adam" else f"{ms(t)} ({step['exact_adam'] / t:.1f}x faster)"
+        else:
+            time = "not measured"
+        rows.append([label, loss, traffic, time, when])
+    out = table(["optimizer", "held-out loss vs Adam", "bytes sent vs Adam",
+                 "train step at 1 Gbit/s", "pick it when"], rows)
+    notes = []
+    if demo:
+        c = demo["config"]
+        notes.append(f"Loss and bytes: `jaxcomm demo`'s byte-level transformer LM, {c['steps']} "
+                     f"steps on {demo['devices']} simulated devices ({source(demo_name)}).")
+    if path:
+        notes.append(f"Step time: a 16.8M-parameter MLP, two processes on a 1 Gbit/s link, "
+                     f"default arguments ({source(path_name)}).")
+    return out + "\n" + " ".join(notes) + "\n"
+
+
+def provenance_table(results: dict[str, dict]) -> str:
+    rows = []
+    for name, doc in results.items():
+        p = provenance(doc)
+        rows.append([f"`{name}`", p["command"], p["jaxcomm"], p["jax"], p["machine"], p["date"],
+                     p["commit"]])
+    return table(["results file", "command", "jaxcomm", "JAX", "machine", "date", "commit"], rows)
+
+
+def demo_table(results: dict[str, dict]) -> str:
+    name, doc = find(results, is_demo)
+    if not doc:
+        return "No results file of `benchmarks/demo_quality.py` yet.\n"
+    base = next(r for r in doc["rows"] if r["method"] == "adam")
+    rows = []
+    for r in doc["rows"]:
+        label = METHODS.get(r["method"], (r["method"],))[0]
+        steps = "/".join(str(r["steps"].get(k, 0)) for k in ("exact", "1-bit", "local"))
+        if r.get("diverged"):
+            rows.append([label, "diverged", "", "", mb(r["total_bytes"]), "", steps])
+            continue
+        rows.append([label, f"{r['eval_loss']:.4f}",
+                     "" if r is base else f"{100 * (r['eval_loss'] / base['eval_loss'] - 1):+.1f}%",
+                     f"{100 * r['accuracy']:.1f}%", mb(r["total_bytes"]),
+                     "1x" if r is base else f"{base['total_bytes'] / r['total_bytes']:.1f}x less",
+                     steps])
+    c = doc["config"]
+    return (table(["optimizer", "held-out loss", "vs Adam", "accuracy", "bytes sent / device",
+                   "traffic vs Adam", "exact/1-bit/local steps"], rows)
+            + f"\n{c['steps']} steps, {doc['devices']} devices x {c['batch_per_device']} "
+            f"windows of "
+            f"{c['context']} bytes, learning rate {c['learning_rate']} "
+            f"(1-bit LAMB {c['lamb_learning_rate']}), {100 * c['warmup_fraction']:.0f}% exact "
+            f"warm-up, seed {c['seed']}; bytes per device from the compiled HLO "
+            f"({source(name)}).\n")
+
+
+USER_PATH = {
+    "readme_pmean": "README Use block with `lax.pmean` (fp32)",
+    "readme_onebit": "README Use block, `jc.compressed_pmean(..., jc.OneBit())`",
+    "local": "local Adam step, nothing sent (the floor)",
+    "exact_adam": "`make_train_step`, exact mean + `optax.adam`",
+    "onebit_adam": "`make_train_step`, `jc.onebit_adam` after the freeze",
+    "onebit_adam_single": "the same, `specialize_phases=False`",
+    "onebit_adam_program": "the same, the compressed program called directly",
+    "zero_one_adam": "`make_train_step`, `jc.zero_one_adam`, whole cycles",
+}
+
+
+def user_path_table(results: dict[str, dict]) -> str:
+    name, doc = find(results, is_user_path)
+    if not doc:
+        return "No results file of `benchmarks/user_path.py` yet.\n"
+    step = doc["step_s"]
+    base = {"readme_pmean": "readme_pmean", "readme_onebit": "readme_pmean"}
+    rows = []
+    for key, label in USER_PATH.items():
+        if key not in step:
+            continue
+        ref = base.get(key, "exact_adam" if key != "local" else None)
+        ratio = "" if ref in (None, key) or ref not in step else f"{step[ref] / step[key]:.2f}x"
+        rows.append([label, ms(step[key]), ratio])
+    return (table(["what", "step (median, slower rank)", "faster than the exact one"], rows)
+            + f"\nRate {doc.get('rate', MISSING)}, {doc.get('repeats', MISSING)} rounds of "
+            f"{doc.get('steps_per_round', MISSING)} unread steps ({source(name)}).\n")
+
+
+TORCH = [("fp32", "default fp32 all-reduce", "`lax.pmean` (fp32)"),
+         ("fp16", "`fp16_compress_hook`", "`jc.Cast(jnp.float16)`"),
+         ("powersgd", "`powerSGD_hook`, rank 4", "`jc.PowerSGD(rank=4)`")]
+
+
+def torch_table(results: dict[str, dict]) -> str:
+    name, doc = find(results, is_torch_peer)
+    if not doc:
+        return "No results file of `benchmarks/torch_peer.py` yet.\n"
+    s = doc["step_s"]
+    rows = [[f"{t} / {j}", ms(s[f"torch_{k}"]), ms(s[f"jax_{k}"]),
+             f"{s[f'torch_{k}'] / s[f'jax_{k}']:.2f}x"] for k, t, j in TORCH
+            if f"torch_{k}" in s and f"jax_{k}" in s]
+    if "jax_onebit" in s:
+        rows.append(["`jc.OneBit()` (no torch hook)", "", ms(s["jax_onebit"]), ""])
+    return (table(["PyTorch DDP hook / jaxcomm", "PyTorch step", "jaxcomm step",
+                   "PyTorch / jaxcomm"], rows)
+            + f"\nPyTorch {doc.get('torch', MISSING)}; rate {doc.get('rate', MISSING)} "
+            f"({source(name)}).\n")
+
+
+def aot_table(results: dict[str, dict]) -> str:
+    rows = []
+    for name, doc in results.items():
+        if not is_aot(name, doc):
+            continue
+        params = doc.get("model", {}).get("parameters")
+        for r in doc["rows"]:
+            a = r.get("analysis") or {}
+            if not r.get("compiles"):
+                rows.append([f"`{name}`", r["what"], r["topology"], r["flags"], "does not compile",
+                             "", ""])
+                continue
+            rows.append([f"`{name}`", f"{r['what']} ({params / 1e6:.1f}M)" if params else r["what"],
+                         r["topology"], r["flags"], f"{a['wire_bytes'] / 1e3:,.1f} KB",
+                         f"{100 * a['overlap_fraction']:.0f}%",
+                         f"{a.get('cross_slice_bytes', 0) / 1e3:,.1f} KB"])
+    if not rows:
+        return "No compiled TPU reports yet.\n"
+    return (table(["results file", "step (parameters)", "topology", "flags",
+                   "wire bytes / device", "bytes overlapping compute", "across slices"], rows)
+            + "\nCompiled ahead of time for the topology with no TPU attached "
+            "(`benchmarks/aot_report.py`); bytes from the compiled HLO.\n")
+
+
+RENDERERS = {
+    "choose": choose,
+    "provenance": provenance_table,
+    "demo-quality": demo_table,
+    "user-path": user_path_table,
+    "torch-peer": torch_table,
+    "aot": aot_table,
+}
+
+
+def render(text: str, results: dict[str, dict]) -> str:
+    """``text`` with every generated block re-rendered from ``results``."""
+
+    def one(m: re.Match) -> str:
+        if m["name"] not in RENDERERS:
+            raise ValueError(f"unknown generated block {m['name']!r}: one of {sorted(RENDERERS)}")
+        return m.group(1) + RENDERERS[m["name"]](results) + m.group(4)
+
+    return BLOCK.sub(one, text)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="only report pages that differ")
+    args = p.parse_args()
+    results = load_results()
+    stale = []
+    for page in PAGES:
+        old = page.read_text()
+        new = render(old, results)
+        if new != old:
+            stale.append(page.relative_to(ROOT))
+            if not args.check:
+                page.write_text(new)
+    verb = ("differ from benchmarks/results (run benchmarks/render_tables.py)" if args.check
+            else "rewritten")
+    for page in stale:
+        print(f"{page}: {verb}")
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -41,7 +41,7 @@ METHODS = {
     "zero_one_adam": ("`jc.zero_one_adam`", "as 1-bit Adam, with fewer bytes still"),
     "onebit_lamb": ("`jc.onebit_lamb` (lr 0.01)", "large-batch LAMB over a slow link"),
     "diloco_int4": ("`jc.diloco`, H = 50, int4 outer gradients",
-                    "very slow links (across sites): one sync per H steps"),
+                    "very slow links (across sites) and long runs: one sync per H steps"),
     "sharded_int8": ("`jc.sharded(adam)`, int8 both ways",
                      "the optimizer state does not fit on one device"),
 }
@@ -124,7 +124,8 @@ def choose(results: dict[str, dict]) -> str:
     for method, (label, when) in METHODS.items():
         row = next((r for r in demo["rows"] if r["method"] == method), None) if demo else None
         if row and base and not row.get("diverged"):
-            loss = f"{100 * (row['eval_loss'] / base['eval_loss'] - 1):+.1f}%"
+            loss = ("baseline" if method == "adam"
+                    else f"{100 * (row['eval_loss'] / base['eval_loss'] - 1):+.1f}%")
             traffic = ("1x" if method == "adam"
                        else f"{base['total_bytes'] / row['total_bytes']:.1f}x less")
         else:
@@ -145,7 +146,7 @@ def choose(results: dict[str, dict]) -> str:
                      f"steps on {demo['devices']} simulated devices ({source(demo_name)}).")
     if path:
         notes.append(f"Step time: a 16.8M-parameter MLP, two processes on a 1 Gbit/s link, "
-                     f"default arguments ({source(path_name)}).")
+                     f"every other argument at its default ({source(path_name)}).")
     return out + "\n" + " ".join(notes) + "\n"
 
 
@@ -166,7 +167,8 @@ def demo_table(results: dict[str, dict]) -> str:
     rows = []
     for r in doc["rows"]:
         label = METHODS.get(r["method"], (r["method"],))[0]
-        steps = "/".join(str(r["steps"].get(k, 0)) for k in ("exact", "1-bit", "local"))
+        exact, local = r["steps"].get("exact", 0), r["steps"].get("local", 0)
+        steps = f"{exact}/{sum(r['steps'].values()) - exact - local}/{local}"
         if r.get("diverged"):
             rows.append([label, "diverged", "", "", mb(r["total_bytes"]), "", steps])
             continue
@@ -177,7 +179,7 @@ def demo_table(results: dict[str, dict]) -> str:
                      steps])
     c = doc["config"]
     return (table(["optimizer", "held-out loss", "vs Adam", "accuracy", "bytes sent / device",
-                   "traffic vs Adam", "exact/1-bit/local steps"], rows)
+                   "traffic vs Adam", "steps: exact / compressed / silent"], rows)
             + f"\n{c['steps']} steps, {doc['devices']} devices x {c['batch_per_device']} "
             f"windows of "
             f"{c['context']} bytes, learning rate {c['learning_rate']} "

@@ -1,5 +1,7 @@
 """The demo's accounting and training, on a tiny configuration."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -174,6 +176,13 @@ def test_demo_under_jax_distributed_matches_one_process(tmp_path):
     )
     assert result.ok, result.describe() + "\n" + result.output[-3000:]
     runs = {r["method"]: r for r in json.loads(out.read_text())["runs"]}
+    # stdout is a pipe, not a terminal: plain progress lines from the lead rank only, with the
+    # loss of the step they name.
+    for method in ("adam", "onebit_adam"):
+        last = f"{runs[method]['losses'][-1]:.4f}"
+        line = rf"\[rank 0\] demo {method}: step 6/6  loss {last}  elapsed \d+s  left ~0s"
+        assert re.search(line, result.output), result.output[-3000:]
+    assert "[rank 1] demo" not in result.output
 
     cfg = demo.DemoConfig(
         steps=6, batch_per_device=2, warmup_fraction=0.5, methods=("adam", "onebit_adam")

@@ -143,6 +143,12 @@ def test_demo_command_json_on_stdout_report_on_stderr_files_in_out(tmp_path, cap
     assert json.loads((out / "demo.json").read_text()) == doc
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "held-out loss" in captured.err and "traffic vs Adam" in captured.err
+    # Not a terminal: a plain line per method and at its last step, with that step's loss.
+    for run in doc["runs"]:
+        assert f"demo {run['method']}: 4 steps\n" in captured.err
+        assert f"demo {run['method']}: step 4/4  loss {run['losses'][-1]:.4f}  elapsed" in (
+            captured.err
+        )
 
 
 def test_markdown_table_for_the_readme_comes_from_the_json(runs):

@@ -52,7 +52,9 @@ from jaxcomm.cli.demo_methods import (
 )
 
 
-def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], None] | None = None):
+def train(
+    method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int, float], None] | None = None
+):
     """Train one model with ``method`` on ``data`` (a :class:`~jaxcomm.cli.models.ByteBatches`);
     returns a :class:`RunResult`."""
     import jax
@@ -102,7 +104,7 @@ def train(method: str, cfg: DemoConfig, mesh, data, progress: Callable[[int], No
             result.eval_steps.append(i + 1)
             result.eval_losses.append(float(eval_loss))
         if progress is not None:
-            progress(1)
+            progress(1, result.losses[-1])
     result.seconds = time.perf_counter() - start
     if _averaged(state.opt_state):
         result.final_kinds.append(EXACT)
@@ -189,7 +191,7 @@ def run(
 
     ``json_path="-"`` prints the JSON document on stdout and the human report on stderr.
     ``out_dir`` (created if missing) also receives ``demo.json``. The progress bar goes to
-    stderr.
+    stderr on a terminal; otherwise plain progress lines go where the report goes.
     """
     import jax
     from jax.sharding import AxisType
@@ -198,6 +200,7 @@ def run(
 
     from jaxcomm.cli import demo_report
     from jaxcomm.cli.models import ByteBatches
+    from jaxcomm.cli.progress import StepLog, is_terminal
 
     if jax.process_count() > 1:
         n = len(jax.devices())  # every process's devices
@@ -208,16 +211,22 @@ def run(
     lead = jax.process_index() == 0
     data = ByteBatches.from_corpus(context=cfg.context)
     results = []
-    with Progress(disable=not lead, console=Console(stderr=True)) as bar:
+    human = sys.stderr if json_path == "-" else sys.stdout
+    # rich's bar draws only on a terminal: elsewhere (CI logs, nohup, | tee) plain lines.
+    plain = lead and not (is_terminal(human) and is_terminal(sys.stderr))
+    with Progress(disable=not lead or plain, console=Console(stderr=True)) as bar:
         for method in cfg.methods:
+            if plain:
+                log = StepLog(f"demo {method}", cfg.steps, stream=human)
+                results.append(train(method, cfg, mesh, data, log.step))
+                continue
             task = bar.add_task(f"{method:>16}", total=cfg.steps)
-            results.append(train(method, cfg, mesh, data, lambda k, t=task: bar.advance(t, k)))
+            results.append(train(method, cfg, mesh, data, lambda k, _, t=task: bar.advance(t, k)))
     params = make_model(cfg).init(cfg.seed)
     bytes_per_kind = wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes, cfg.methods)
     rows = summarize(results, bytes_per_kind, cfg.warmup_steps)
     if not lead:
         return rows
-    human = sys.stderr if json_path == "-" else sys.stdout
     report = demo_report.format_report(
         rows, bytes_per_kind, devices=n, steps=cfg.steps, warmup_steps=cfg.warmup_steps
     )

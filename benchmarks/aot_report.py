@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "16")  # the phase probe of 2 x 8 GPUs
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling needs no exclusive TPU
 
@@ -93,6 +93,17 @@ FLAG_SETS: dict[str, dict[str, str]] = {
     "async": TPU_ASYNC_FLAGS,
     "async_ag": {**TPU_ASYNC_FLAGS, "xla_tpu_prefer_async_allgather_to_allreduce": "true"},
 }
+
+
+def flag_set(platform: str, name: str, bucket_bytes: int | None) -> dict:
+    """Compiler options of flag set ``name``: on GPU, ``async`` is ``jc.xla_flags("gpu")``
+    with the combine thresholds at the bucket size (the flags ``XLA_FLAGS`` would carry)."""
+    if platform == "tpu" or name == "default":
+        return dict(FLAG_SETS[name])
+    text = jc.xla_flags("gpu", combine_threshold_bytes=bucket_bytes, base="")
+    typed = {"true": True, "false": False}  # XLA:GPU's options want typed values, not strings
+    pairs = (tok.lstrip("-").split("=", 1) for tok in text.split())
+    return {k: typed.get(v, int(v) if v.isdigit() else v) for k, v in pairs}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,6 +214,16 @@ def methods() -> dict[str, Method]:
             {"compressed": 3},
         ),
         Method(
+            "int8ef_mean", "compressed_mean(int8 + EF) + Adam",
+            lambda b: optax.chain(
+                jc.compressed_mean(
+                    "dp", jc.Quantize(bits=8, error_feedback=True), b, warmup_steps=2
+                ),
+                optax.adam(1e-3),
+            ),
+            {"compressed": 3},
+        ),
+        Method(
             "onebit_adam", "1-bit Adam (after the freeze)",
             lambda b: jc.onebit_adam(1e-3, freeze_step=2, axis_name="dp", bucket_bytes=b),
             {"compressed": 4},
@@ -214,6 +235,11 @@ def methods() -> dict[str, Method]:
                 axis_name="dp", bucket_bytes=b,
             ),
             {"onebit": 2, "sync": 5},
+        ),
+        Method(
+            "onebit_lamb", "1-bit LAMB (after the freeze)",
+            lambda b: jc.onebit_lamb(1e-3, freeze_step=2, axis_name="dp", bucket_bytes=b),
+            {"compressed": 4},
         ),
         Method(
             "diloco_int4", "DiLoCo H=4, int4 + EF outer gradients (sync step)",
@@ -231,6 +257,10 @@ def methods() -> dict[str, Method]:
             ),
             {"step": 0},
         ),
+        # Not a make_train_step optimizer: its own step on a ("node", "local") mesh, see
+        # hierarchical_step (exact inside a node or slice, OneBit across, then Adam).
+        Method("hierarchical", "hierarchical: exact in node, OneBit across nodes + Adam",
+               lambda b: optax.adam(1e-3), {"step": 0}),
     ]  # fmt: skip
     return {m.name: m for m in ms}
 
@@ -260,18 +290,51 @@ def phases_by_count(method: Method, n: int, bucket_bytes: int | None) -> dict[in
 # Topologies.
 
 
-def topology(name: str):
-    """``(mesh, devices)`` for ``name``: a topology string, ``...x2s`` for two slices."""
+H100_CONFIG = os.environ.get(
+    "JAXCOMM_H100_TARGET_CONFIG",
+    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference",
+                 "h100_target_config.txtpb"),
+)  # fmt: skip
+
+
+def platform_of(name: str) -> str:
+    return "gpu" if name.startswith("h100") else "tpu"
+
+
+def node_of(device) -> int:
+    """The node a device sits in: its slice on TPU (slices talk over DCN), its host on GPU
+    (hosts talk over Ethernet/InfiniBand)."""
+    if getattr(device, "platform", "") == "tpu":
+        return int(getattr(device, "slice_index", 0) or 0)
+    return int(getattr(device, "process_index", 0) or 0)
+
+
+def topology(name: str, axes: tuple[str, ...] = ("dp",)):
+    """``(mesh, devices)`` for ``name``: a TPU topology string (``...x2s`` for two slices) or
+    ``h100:<nodes>x1x<gpus>`` (NVIDIA H100s from the GpuTargetConfig in ``H100_CONFIG``).
+    ``axes=("node", "local")`` gives a 2-D mesh with one row per node (see :func:`node_of`)."""
     from jax.experimental import topologies
 
-    slices = 1
-    m = re.fullmatch(r"(.+)x(\d+)s", name)
-    if m:
-        name, slices = m.group(1), int(m.group(2))
-    kw = {"num_slices": slices} if slices > 1 else {}
-    topo = topologies.get_topology_desc(name, "tpu", **kw)
-    n = len(topo.devices)
-    mesh = topologies.make_mesh(topo, (n,), ("dp",))
+    if platform_of(name) == "gpu":
+        with open(H100_CONFIG) as f:
+            config = f.read()
+        topo = topologies.get_topology_desc(
+            platform="cuda", target_config=config, topology=name.split(":", 1)[1]
+        )
+    else:
+        slices = 1
+        m = re.fullmatch(r"(.+)x(\d+)s", name)
+        if m:
+            name, slices = m.group(1), int(m.group(2))
+        kw = {"num_slices": slices} if slices > 1 else {}
+        topo = topologies.get_topology_desc(name, "tpu", **kw)
+    devices = sorted(topo.devices, key=lambda d: (node_of(d), d.id))
+    n = len(devices)
+    if axes == ("dp",):
+        mesh = topologies.make_mesh(topo, (n,), axes)
+    else:
+        nodes = len({node_of(d) for d in devices})
+        mesh = jax.sharding.Mesh(np.array(devices).reshape(nodes, n // nodes), axes)
     return mesh, list(mesh.devices.flat)
 
 
@@ -414,7 +477,7 @@ def analyse(text: str, devices: list) -> dict:
     """Collectives (kind, dtype, bytes), their overlap and their slice crossings."""
     ops = collectives_in_hlo(text)
     sched = {s["line"]: s for s in schedule_of_collectives(text)}
-    slices = [getattr(d, "slice_index", 0) or 0 for d in devices]
+    slices = [node_of(d) for d in devices]
     if num_devices(text) < len(devices):
         # One program per slice: replica groups index one slice's devices (ICI only).
         slices = [0] * len(devices)
@@ -514,11 +577,76 @@ def abstract_step(mesh, method: Method, cfg: ModelConfig, bucket_bytes: int | No
     return made["step"], state, batch
 
 
-def compile_one(step, phases: tuple, state, batch, flags: dict[str, str]):
+def compile_one(lower: Callable, flags: dict[str, str]):
     t0 = time.perf_counter()
-    lowered = step.program(phases).lower(state, batch)
+    lowered = lower()
     compiled = lowered.compile(compiler_options=dict(flags)) if flags else lowered.compile()
     return compiled, time.perf_counter() - t0
+
+
+def cost_of(compiled) -> dict | None:
+    """``flops`` and ``bytes accessed`` per device from XLA's cost analysis (None where the
+    backend gives none, e.g. XLA:GPU compiled without a GPU)."""
+    try:
+        c = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - optional
+        return None
+    if isinstance(c, list | tuple):
+        c = c[0] if c else None
+    if not c:
+        return None
+    keep = ("flops", "bytes accessed", "transcendentals")
+    return {k: float(v) for k, v in c.items() if k in keep}
+
+
+def hierarchical_step(mesh, cfg: ModelConfig, bucket_bytes: int | None):
+    """``(jitted step, abstract args)`` of a data-parallel Adam step whose gradient mean is
+    ``jc.hierarchical_pmean`` on ``mesh`` ``("node", "local")``: exact reduce-scatter and
+    all-gather inside a node, OneBit with error feedback across nodes."""
+    comp = jc.OneBit()
+    nodes, local = mesh.devices.shape
+    both = ("node", "local")
+    shapes = cfg.param_shapes()
+    opt = optax.adam(1e-3)
+    ef = jax.eval_shape(
+        lambda: jc.init_hierarchical_state(
+            comp, shapes, inner_size=local, outer_size=nodes, bucket_bytes=bucket_bytes
+        )
+    )
+    loss_fn = make_loss(cfg)
+
+    def body(params, opt_state, ef, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        mean, ef = jc.hierarchical_pmean(
+            grads, ef, inner_axis="local", outer_axis="node", compressor=comp,
+            bucket_bytes=bucket_bytes,
+        )  # fmt: skip
+        updates, opt_state = opt.update(mean, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, ef, jax.lax.pmean(loss, both)
+
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh,
+            in_specs=(P(), P(), P(both), P(both)), out_specs=(P(), P(), P(both), P()),
+            check_vma=False,  # replicated parameters, per-device gradients: the usual DP step
+        ),
+        donate_argnums=(0, 1, 2),
+    )  # fmt: skip
+
+    def placed(x, spec, lead=1):
+        shape = (lead * x.shape[0], *x.shape[1:]) if x.shape else (lead,)
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    n = nodes * local
+    args = (
+        jax.tree.map(lambda x: placed(x, P()), shapes),
+        jax.tree.map(lambda x: placed(x, P()) if x.shape else jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, P())), jax.eval_shape(opt.init, shapes)),
+        jax.tree.map(lambda x: placed(x, P(both), n), ef),
+        jax.ShapeDtypeStruct((n * cfg.batch_per_device, cfg.seq + 1), jnp.int32,
+                             sharding=NamedSharding(mesh, P(both))),
+    )  # fmt: skip
+    return fn, args
 
 
 def _versions() -> dict:
@@ -614,30 +742,45 @@ def main(argv=None) -> int:
     for topo_name in args.topologies.split(","):
         mesh, devices = topology(topo_name)
         n = len(devices)
-        n_slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
+        n_slices = len({node_of(d) for d in devices})
+        plat = platform_of(topo_name)
         for mname in args.methods.split(","):
             method = table[mname]
-            if (mname, n) not in phase_cache:
-                phase_cache[(mname, n)] = phases_by_count(method, n, bucket)
-            step, state, batch = abstract_step(mesh, method, cfg, bucket)
-            for label, count in method.counts.items():
-                phases = phase_cache[(mname, n)][count]
+            if mname == "hierarchical":
+                if n_slices < 2:
+                    continue  # needs a slow axis: a topology of several slices or hosts
+                mesh2, devs = topology(topo_name, ("node", "local"))
+                fn, fargs = hierarchical_step(mesh2, cfg, bucket)
+                programs = [("step", (), lambda fn=fn, fargs=fargs: fn.lower(*fargs), devs)]
+            else:
+                if (mname, n) not in phase_cache:
+                    phase_cache[(mname, n)] = phases_by_count(method, n, bucket)
+                step, state, batch = abstract_step(mesh, method, cfg, bucket)
+                ph_of = phase_cache[(mname, n)]
+                programs = [
+                    (label, ph_of[count],
+                     lambda ph=ph_of[count], st=step, a=(state, batch): st.program(ph).lower(*a),
+                     devices)
+                    for label, count in method.counts.items()
+                ]  # fmt: skip
+            for label, phases, lower, devs in programs:
                 for flag_name in args.flags.split(","):
+                    flags = flag_set(plat, flag_name, bucket)
                     row = dict(
                         method=mname, what=method.what, phase=label, phase_values=list(phases),
-                        topology=topo_name, devices=n, slices=n_slices, flags=flag_name,
-                        compiler_options=FLAG_SETS[flag_name], device_kind=devices[0].device_kind,
+                        topology=topo_name, platform=plat, devices=n, slices=n_slices,
+                        flags=flag_name, compiler_options=flags,
+                        device_kind=devices[0].device_kind,
                     )  # fmt: skip
                     try:
-                        flags = FLAG_SETS[flag_name]
-                        compiled, secs = compile_one(step, phases, state, batch, flags)
+                        compiled, secs = compile_one(lower, flags)
                         text = compiled.as_text()
                         fname = f"{mname}.{label}.{topo_name.replace(':', '_')}.{flag_name}.hlo.txt"
                         with open(os.path.join(args.out, fname), "w") as f:
                             f.write(text)
                         row.update(
                             compiles=True, compile_s=secs, peak_bytes=peak_bytes(compiled),
-                            hlo_file=fname, analysis=analyse(text, devices),
+                            cost=cost_of(compiled), hlo_file=fname, analysis=analyse(text, devs),
                         )  # fmt: skip
                     except Exception as e:  # noqa: BLE001 - the report records any failure
                         row.update(compiles=False, error=f"{type(e).__name__}: {e}"[:2000])
@@ -651,7 +794,6 @@ def main(argv=None) -> int:
                         f"{a.get('overlap_fraction')}",
                         flush=True,
                     )
-
                     _write(args, cfg, bucket, rows)
 
     print()

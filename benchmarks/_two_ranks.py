@@ -18,7 +18,8 @@ def run_two_ranks(
     script: str, worker_args: list[str], *, rate: str, shaped: bool, timeout: float, prefix: str
 ) -> list[dict] | None:
     """Both ranks' JSON results, or ``None`` (after printing SKIP) when shaping is impossible."""
-    from jaxcomm.cli.launch import LaunchError, launch_local, network_shaping_problem
+    from jaxcomm.cli.launch import LaunchError, launch_local
+    from jaxcomm.cli.netshape import network_shaping_problem
 
     if shaped:
         problem = network_shaping_problem(rate)

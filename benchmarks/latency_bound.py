@@ -149,7 +149,8 @@ def _worker(args) -> None:
 
 
 def _run(args, delay: str | None) -> dict:
-    from jaxcomm.cli.launch import LaunchError, delay_options, launch_local
+    from jaxcomm.cli.launch import LaunchError, launch_local
+    from jaxcomm.cli.netshape import delay_options
 
     shaping, label = delay_options(delay)
     with tempfile.TemporaryDirectory(prefix="jaxcomm-latency-") as out:

@@ -223,7 +223,7 @@ def _records(out: Path, rank: int) -> list[dict]:
 
 
 def drive(args) -> dict:
-    from jaxcomm.cli.launch import network_shaping_problem
+    from jaxcomm.cli.netshape import network_shaping_problem
 
     if args.rate and network_shaping_problem(args.rate):
         print(f"soak: unshaped loopback ({network_shaping_problem(args.rate)})", file=sys.stderr)

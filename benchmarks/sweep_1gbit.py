@@ -42,8 +42,8 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    from jaxcomm.cli import bench
-    from jaxcomm.cli.launch import network_shaping_problem
+    from jaxcomm.cli import bench, bench_report, bench_specs
+    from jaxcomm.cli.netshape import network_shaping_problem
 
     rate = None if args.no_shape else args.rate
     if rate and network_shaping_problem(rate):
@@ -51,21 +51,21 @@ def main(argv=None) -> int:
               "rerun with --no-shape", flush=True)  # fmt: skip
         return 0
     if args.compressors:
-        compressors = bench.split_specs(args.compressors)
+        compressors = bench_specs.split_specs(args.compressors)
     else:
-        compressors = bench.registered_compressors()
+        compressors = bench_specs.registered_compressors()
         if "quantize" in compressors:
             compressors.append("quantize(bits=4)")
-    config = bench.BenchConfig(
-        ops=tuple(bench.split_specs(args.ops)),
+    config = bench_specs.BenchConfig(
+        ops=tuple(bench_specs.split_specs(args.ops)),
         compressors=tuple(compressors),
-        sizes=tuple(bench.parse_size(s) for s in bench.split_specs(args.sizes)),
+        sizes=tuple(bench_specs.parse_size(s) for s in bench_specs.split_specs(args.sizes)),
         repeats=args.repeats,
     ).validate()
     rows = bench.run_bench(config, procs=2, rate=rate, timeout=args.timeout, echo=False)
     by_key = {(r.op, r.size_bytes, r.compressor): r for r in rows}
     link = rate or "plain loopback"
-    bench.print_rows(rows, f"2 processes, link {link}, median of {args.repeats}")
+    bench_report.print_rows(rows, f"2 processes, link {link}, median of {args.repeats}")
     print(f"\nmedian time and speedup vs none, link {link}")
     print(f"{'op':<16}{'size':>8}  " + "".join(f"{c:>20}" for c in config.compressors))
     for op in config.ops:
@@ -79,13 +79,14 @@ def main(argv=None) -> int:
                     continue
                 speed = f" {base.median_s / r.median_s:5.1f}x" if base else ""
                 cells.append(f"{r.median_s * 1e3:.1f} ms{speed}")
-            print(f"{op:<16}{bench._human_bytes(size):>8}  " + "".join(f"{c:>20}" for c in cells))
+            size_text = bench_report.human_bytes(size)
+            print(f"{op:<16}{size_text:>8}  " + "".join(f"{c:>20}" for c in cells))
     if args.json:
         Path(args.json).write_text(
-            json.dumps(bench.rows_to_json(rows, config, rate=rate), indent=2)
+            json.dumps(bench_report.rows_to_json(rows, config, rate=rate), indent=2)
         )
     if args.plot:
-        bench.plot_rows(rows, args.plot)
+        bench_report.plot_rows(rows, args.plot)
         print(f"wrote {args.plot}")
     return 0
 

@@ -84,9 +84,9 @@ def test_help_is_terminal_text(argv, capsys):
         assert markup not in text, (argv, markup)
     if argv == ["bench"]:
         # The columns it documents are the ones it prints (format_rows' headings).
-        from jaxcomm.cli import bench
+        from jaxcomm.cli import bench_report
 
-        heads = bench.format_rows([]).split("  ")
+        heads = bench_report.format_rows([]).split("  ")
         assert "wire GB/s" in heads and "wire GB/s" in text and "wire bw" not in text
         assert "'all' runs every registered compressor that needs no arguments: " in " ".join(
             text.split()

@@ -21,7 +21,8 @@ from multiprocess_worker import local_tree
 from onebit_reference import init_state as np_init_state
 from onebit_reference import onebit_allreduce_mean
 
-from jaxcomm.cli.launch import LaunchError, launch_local, network_shaping_problem
+from jaxcomm.cli.launch import LaunchError, launch_local
+from jaxcomm.cli.netshape import network_shaping_problem
 from jaxcomm.runtime import DistributedEnv, init_distributed, resolve_distributed_env
 
 HERE = Path(__file__).resolve().parent

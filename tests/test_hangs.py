@@ -12,7 +12,7 @@ import pytest
 from test_distributed import multiprocess
 from test_launch import _alive, _env, _launch
 
-from jaxcomm.cli import launch as launch_mod
+from jaxcomm.cli import netshape
 from jaxcomm.cli.main import main
 
 pytestmark = multiprocess
@@ -159,8 +159,8 @@ def test_hang_timeout_names_a_stopped_rank_without_heartbeats(tmp_path):
 
 
 @pytest.mark.skipif(
-    launch_mod.network_shaping_problem("1gbit") is not None,
-    reason=str(launch_mod.network_shaping_problem("1gbit")),
+    netshape.network_shaping_problem("1gbit") is not None,
+    reason=str(netshape.network_shaping_problem("1gbit")),
 )
 def test_silent_link_ends_the_run_within_the_heartbeat_timeout(tmp_path):
     """All ranks in one shaped namespace; its loopback goes down mid-run (no exit, no reset)."""
@@ -218,11 +218,11 @@ def test_busy_port_is_refused(tmp_path):
 
 def test_shaping_without_root_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    launch_mod.network_shaping_problem.cache_clear()
+    netshape.network_shaping_problem.cache_clear()
     try:
         code = main(["launch", "-n", "2", "--rate", "1gbit", "x.py"])
     finally:
-        launch_mod.network_shaping_problem.cache_clear()
+        netshape.network_shaping_problem.cache_clear()
     assert code == 2
     assert "cannot shape the rate: network shaping needs root" in capsys.readouterr().err
 

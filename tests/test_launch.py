@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_distributed import multiprocess
 
-from jaxcomm.cli.launch import network_shaping_problem
+from jaxcomm.cli.netshape import network_shaping_problem
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = multiprocess
@@ -219,7 +219,7 @@ def test_parse_delay():
 def test_relay_refuses_like_a_closed_port():
     """Through the relay, connecting to a port nobody listens on fails as it would directly."""
     from jaxcomm.cli._delay import delay_relay, shim_problem
-    from jaxcomm.cli.launch import find_free_port
+    from jaxcomm.cli._proc import find_free_port
 
     if shim_problem():
         pytest.skip(shim_problem())

@@ -1,4 +1,5 @@
-"""Child-process helpers shared by the launcher and the delay relay (no jaxcomm imports)."""
+"""Child processes and ports of this machine, for the launcher and the delay relay (no jaxcomm
+imports)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import functools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TextIO
 
 
 @functools.cache
@@ -105,3 +108,76 @@ def helper_process(
         for stream in (proc.stdout, proc.stderr):
             if stream:
                 stream.close()
+
+
+def pump_lines(
+    rank: int,
+    stream: TextIO,
+    lines: list[str],
+    merged: list[str],
+    lock: threading.Lock,
+    echo: TextIO | None,
+) -> None:
+    """Copies one rank's output into ``lines`` and the prefixed ``merged`` log."""
+    for line in iter(stream.readline, ""):
+        text = line.rstrip("\n")
+        prefixed = f"[rank {rank}] {text}"
+        with lock:
+            lines.append(text)
+            merged.append(prefixed)
+            if echo is not None:
+                echo.write(prefixed + "\n")
+                echo.flush()
+    stream.close()
+
+
+# Ports and process states of this machine.
+
+LOCALHOST = "127.0.0.1"
+
+
+def find_free_port(host: str = LOCALHOST) -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_problem(port: int, host: str = LOCALHOST) -> str | None:
+    """Why ``port`` cannot be the coordinator's port on ``host``, or ``None`` if it can."""
+    if not 0 < port < 65536:
+        return f"port {port} is not in 1..65535"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return f"port {port} on {host} is not free ({e.strerror or e}): pick another or omit it"
+    return None
+
+
+def listening(port: int, host: str = LOCALHOST) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def stopped_pids(pgids: Sequence[int]) -> set[int]:
+    """Process groups among ``pgids`` with a stopped member (``/proc/*/stat`` state T or t)."""
+    wanted, found = set(pgids), set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # not Linux: no detection
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces or parentheses.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) in wanted and fields[0] in ("T", "t"):
+            found.add(int(fields[2]))
+    return found

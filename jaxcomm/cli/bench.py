@@ -28,9 +28,10 @@ up to a multiple of ``4 n`` bytes. all_reduce and reduce_scatter are means (``co
 ``compressed_pmean_scatter``), all_gather is ``compressed_all_gather``, and all_to_all is the
 exact ``lax.all_to_all`` (no compressor implements it), run for the ``none`` compressor only.
 
-Compressors are found by name in :func:`compressor_registry`: every :class:`jaxcomm.Compressor`
-subclass that ``jaxcomm`` exports, under its lower-cased class name (``onebit``, ``quantize``,
-...; ``none`` is ``NoCompression``), with keyword arguments as ``quantize(bits=4)``.
+Compressors are found by name in :func:`jaxcomm.cli.bench_specs.compressor_registry`: every
+:class:`jaxcomm.Compressor` subclass that ``jaxcomm`` exports, under its lower-cased class name
+(``onebit``, ``quantize``, ...; ``none`` is ``NoCompression``), with keyword arguments as
+``quantize(bits=4)``.
 
 In-process (default), the devices are ``--devices`` simulated CPU devices (or the real GPUs/TPUs)
 of one process. With ``--procs N`` the bench starts ``N`` processes of one CPU device each,
@@ -41,208 +42,18 @@ rank's, each run after a barrier.
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NamedTuple
 
-__all__ = [
-    "OPS",
-    "BenchConfig",
-    "BenchRow",
-    "bus_factor",
-    "compressor_registry",
-    "format_rows",
-    "make_compressor",
-    "parse_size",
-    "plot_rows",
-    "register_compressor",
-    "registered_compressors",
-    "run_bench",
-    "split_specs",
-]
-
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
-
-_USER_REGISTRY: dict[str, Callable[..., Any]] = {}
-
-
-def register_compressor(name: str, factory: Callable[..., Any]) -> None:
-    """Makes ``factory(**kwargs)`` available to the bench as ``name`` (overrides built-ins)."""
-    _USER_REGISTRY[name.lower()] = factory
-
-
-def compressor_registry() -> dict[str, Callable[..., Any]]:
-    """Name -> constructor of every compressor the bench can use.
-
-    Every concrete :class:`jaxcomm.Compressor` subclass exported by ``jaxcomm`` appears under its
-    lower-cased class name (so compressors added to the library appear without editing the
-    bench); ``none`` aliases ``NoCompression``; :func:`register_compressor` adds more.
-    """
-    import inspect
-
-    import jaxcomm as jc
-
-    registry: dict[str, Callable[..., Any]] = {}
-    for name in getattr(jc, "__all__", dir(jc)):
-        obj = getattr(jc, name, None)
-        if (
-            inspect.isclass(obj)
-            and issubclass(obj, jc.Compressor)
-            and obj is not jc.Compressor
-            and not inspect.isabstract(obj)
-        ):
-            registry[name.lower()] = obj
-    if "nocompression" in registry:
-        registry["none"] = registry["nocompression"]
-    registry.update(_USER_REGISTRY)
-    return registry
-
-
-_SPEC = re.compile(r"^\s*(?P<name>[A-Za-z_][\w-]*)\s*(?:\((?P<args>.*)\))?\s*$")
-
-
-def make_compressor(spec: str) -> Any:
-    """A compressor from ``"name"`` or ``"name(key=value, ...)"`` (values are Python literals)."""
-    m = _SPEC.match(spec)
-    registry = compressor_registry()
-    if not m or m.group("name").lower() not in registry:
-        raise ValueError(
-            f"jaxcomm bench: unknown compressor {spec!r}; known: {', '.join(sorted(registry))} "
-            "(keyword arguments as e.g. quantize(bits=4))"
-        )
-    kwargs: dict[str, Any] = {}
-    if m.group("args") and m.group("args").strip():
-        try:
-            call = ast.parse(f"f({m.group('args')})", mode="eval").body
-            assert isinstance(call, ast.Call) and not call.args
-            kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
-        except (SyntaxError, ValueError, AssertionError) as e:
-            raise ValueError(
-                f"jaxcomm bench: compressor arguments must be key=literal pairs, got {spec!r}"
-            ) from e
-    try:
-        return registry[m.group("name").lower()](**kwargs)
-    except TypeError as e:
-        raise ValueError(f"jaxcomm bench: cannot build compressor {spec!r}: {e}") from e
-
-
-def registered_compressors() -> list[str]:
-    """Names of the registered compressors that build without arguments (``none`` first)."""
-    names = []
-    for name, factory in compressor_registry().items():
-        if name == "nocompression":
-            continue  # listed as "none"
-        try:
-            factory()
-        except (TypeError, ValueError):
-            continue
-        names.append(name)
-    return sorted(names, key=lambda n: (n != "none", n))
-
-
-def split_specs(text: str) -> list[str]:
-    """Comma-separated items; commas inside parentheses stay: ``quantize(bits=4,block_size=64)``."""
-    items, depth, cur = [], 0, ""
-    for ch in text:
-        depth += (ch == "(") - (ch == ")")
-        if ch == "," and depth == 0:
-            items.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    items.append(cur)
-    return [i.strip() for i in items if i.strip()]
-
-
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20}
-_UNITS |= {"MIB": 2**20, "G": 2**30, "GB": 2**30, "GIB": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"4096"``, ``"64K"``, ``"16M"``, ``"1G"`` (binary units, like nccl-tests)."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"jaxcomm bench: cannot read size {text!r} (e.g. 4096, 64K, 16M)")
-    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    if value <= 0:
-        raise ValueError(f"jaxcomm bench: size must be positive, got {text!r}")
-    return int(value)
-
-
-def bus_factor(op: str, n: int) -> float:
-    """busbw / algbw of ``op`` on ``n`` devices (DeepSpeed ``ds_bench``, nccl-tests)."""
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if op in ("reduce_scatter", "all_gather", "all_to_all"):
-        return (n - 1) / n
-    raise ValueError(f"jaxcomm bench: unknown op {op!r}; choose from {OPS}")
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """What to measure.
-
-    Attributes:
-      ops: subset of :data:`OPS`.
-      compressors: compressor specs (see :func:`make_compressor`).
-      sizes: message sizes in bytes (see the module docstring for what ``S`` is per op).
-      repeats: timed calls per row (the median is reported).
-      warmup: untimed calls per row after compiling.
-      bucket_bytes: passed to the collectives (``None``: one bucket).
-      devices: simulated CPU devices in-process (ignored when a backend already exists).
-      seed: data seed.
-      no_network: also time every row on one device alone (the ``compute`` column).
-    """
-
-    ops: tuple[str, ...] = OPS
-    compressors: tuple[str, ...] = ("none", "onebit")
-    sizes: tuple[int, ...] = (64 << 10, 1 << 20, 16 << 20)
-    repeats: int = 5
-    warmup: int = 1
-    bucket_bytes: int | None = None
-    devices: int = 8
-    seed: int = 0
-    no_network: bool = False
-
-    def validate(self) -> BenchConfig:
-        bad = [o for o in self.ops if o not in OPS]
-        if bad or not self.ops:
-            raise ValueError(f"jaxcomm bench: unknown op(s) {bad}; choose from {OPS}")
-        if self.repeats < 1 or self.warmup < 0:
-            raise ValueError("jaxcomm bench: repeats must be >= 1 and warmup >= 0")
-        if not self.sizes or min(self.sizes) <= 0:
-            raise ValueError("jaxcomm bench: sizes must be positive")
-        for spec in self.compressors:
-            make_compressor(spec)
-        return self
-
-
-class BenchRow(NamedTuple):
-    """One measurement. Bandwidths in bytes/s, time in seconds; see the module docstring."""
-
-    op: str
-    compressor: str
-    devices: int
-    size_bytes: int
-    median_s: float
-    algbw: float
-    busbw: float
-    wire_bytes: float
-    wire_bw: float
-    rel_error: float
-    flags: str
-    compute_s: float | None = None
-
+from jaxcomm.cli.bench_report import rows_from_results
+from jaxcomm.cli.bench_specs import BenchConfig, BenchRow, make_compressor
 
 # --------------------------------------------------------------------------------------------
 # Measuring one row (shared by the in-process and multi-process modes).
@@ -437,32 +248,6 @@ def _compute_times(op: str, comp, n: int, e: int, data, config: BenchConfig) -> 
     return times
 
 
-def _rows(results: Sequence[dict]) -> list[BenchRow]:
-    rows = []
-    for r in results:
-        t = statistics.median(r["times"])
-        algbw = r["size_bytes"] / t
-        rows.append(
-            BenchRow(
-                op=r["op"],
-                compressor=r["compressor"],
-                devices=r["devices"],
-                size_bytes=r["size_bytes"],
-                median_s=t,
-                algbw=algbw,
-                busbw=algbw * bus_factor(r["op"], r["devices"]),
-                wire_bytes=r["wire_bytes"],
-                wire_bw=r["wire_bytes"] / t,
-                rel_error=r["rel_error"],
-                flags=r["flags"],
-                compute_s=(
-                    statistics.median(r["compute_times"]) if r.get("compute_times") else None
-                ),
-            )
-        )
-    return rows
-
-
 # --------------------------------------------------------------------------------------------
 # In-process.
 # --------------------------------------------------------------------------------------------
@@ -497,7 +282,7 @@ def _in_process(config: BenchConfig) -> list[BenchRow]:
         return jax.device_put(np.asarray(rows).reshape(-1, *np.shape(rows)[2:]), sharded)
 
     results = _measure_rows(config, mesh, to_global, lambda: None)
-    return _rows(results)
+    return rows_from_results(results)
 
 
 # --------------------------------------------------------------------------------------------
@@ -549,7 +334,8 @@ def _multi_process(
     timeout: float,
     echo: bool,
 ) -> list[BenchRow]:
-    from jaxcomm.cli.launch import LaunchError, delay_options, launch_local
+    from jaxcomm.cli.launch import LaunchError, launch_local
+    from jaxcomm.cli.netshape import delay_options
 
     if procs < 2:
         raise ValueError("jaxcomm bench: --procs must be >= 2")
@@ -582,7 +368,7 @@ def _multi_process(
         if rows[0].get("compute_times"):  # no link in between: the slower rank's compute
             compute = [max(r["compute_times"][i] for r in rows) for i in range(config.repeats)]
         merged.append({**rows[0], "times": times, "rel_error": err, "compute_times": compute})
-    return _rows(merged)
+    return rows_from_results(merged)
 
 
 def run_bench(
@@ -601,185 +387,6 @@ def run_bench(
     if rate or delay:
         raise ValueError("jaxcomm bench: --rate/--delay shape a network: they need --procs")
     return _in_process(config)
-
-
-# --------------------------------------------------------------------------------------------
-# Output.
-# --------------------------------------------------------------------------------------------
-
-
-def _human_bytes(b: float) -> str:
-    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if b >= scale:
-            return f"{b / scale:.4g}{unit}"
-    return f"{b:.0f}"
-
-
-def _gbps(bw: float) -> str:
-    return f"{bw / 1e9:.3g}"
-
-
-_COLUMNS = (
-    "op",
-    "compressor",
-    "size",
-    "time (ms)",
-    "compute (ms)",
-    "algbw GB/s",
-    "busbw GB/s",
-    "wire/dev",
-    "wire GB/s",
-    "error",
-    "flags",
-)
-
-
-def _cells(r: BenchRow) -> tuple[str, ...]:
-    return (
-        r.op,
-        r.compressor,
-        _human_bytes(r.size_bytes),
-        f"{r.median_s * 1e3:.3f}",
-        "-" if r.compute_s is None else f"{r.compute_s * 1e3:.3f}",
-        _gbps(r.algbw),
-        _gbps(r.busbw),
-        _human_bytes(r.wire_bytes),
-        _gbps(r.wire_bw),
-        f"{r.rel_error:.2g}",
-        r.flags or "",
-    )
-
-
-_COMPUTE = _COLUMNS.index("compute (ms)")
-
-
-def _shown(rows: Sequence[BenchRow], columns=_COLUMNS) -> list[int]:
-    """Column indices to show: ``compute`` only when measured (``--no-network``)."""
-    measured = any(r.compute_s is not None for r in rows)
-    return [i for i in range(len(columns)) if measured or i != _COMPUTE]
-
-
-def format_rows(rows: Sequence[BenchRow]) -> str:
-    """Plain-text table of ``rows``."""
-    keep = _shown(rows)
-    cells = [[row[i] for i in keep] for row in [_COLUMNS] + [_cells(r) for r in rows]]
-    left = {0, 1, len(keep) - 1}  # op, compressor, flags
-    widths = [max(len(c[i]) for c in cells) for i in range(len(keep))]
-    return "\n".join(
-        "  ".join(
-            c.ljust(w) if i in left else c.rjust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ).rstrip()
-        for row in cells
-    )
-
-
-def print_rows(rows: Sequence[BenchRow], title: str, *, plain: bool = False) -> None:
-    """A rich table on a terminal-capable stdout (plain text without ``rich`` or with plain)."""
-    try:
-        if plain:
-            raise ImportError
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        print(format_rows(rows))
-        return
-    from rich import box
-
-    show_flags = any(r.flags for r in rows)
-    keep = [i for i in _shown(rows) if show_flags or i != len(_COLUMNS) - 1]
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-    for i in keep:
-        flags = i == len(_COLUMNS) - 1
-        table.add_column(
-            _COLUMNS[i], justify="left" if i < 2 or flags else "right", no_wrap=not flags
-        )
-    for r in rows:
-        cells = _cells(r)
-        table.add_row(*(cells[i] for i in keep), style="red" if r.flags else None)
-    console = Console()
-    if not console.is_terminal:  # pipes and logs: do not squeeze the table into 80 columns
-        console = Console(width=160)
-    console.print(table)
-
-
-def size_label(nbytes: float) -> str:
-    """Tick label of a message size: ``64K``, ``1M``, ``16M`` (binary units, as ``--sizes``)."""
-    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g}{unit}"
-    return f"{nbytes:g}"
-
-
-def _minor_gbps_label(y: float, _pos=None) -> str:
-    """Label the 2x and 5x minor ticks of a log axis (a decade often holds every point)."""
-    if y <= 0:
-        return ""
-    lead = y / 10 ** math.floor(math.log10(y))
-    return f"{y:g}" if round(lead, 6) in (2.0, 5.0) else ""
-
-
-def plot_title(op: str, where: str | None) -> str:
-    """A panel's title: the op and where it ran (``in-process, no network`` by default)."""
-    return f"{op}\n{where or 'in-process, no network'}"
-
-
-def plot_rows(rows: Sequence[BenchRow], path: str, where: str | None = None) -> dict[str, list]:
-    """Effective bandwidth (algbw) against size, one line per compressor, one panel per op.
-
-    ``where`` says how the ranks were connected (e.g. ``2 processes (gloo), 1gbit``); without
-    it the titles say the run was in one process, with no network in between. Returns what
-    the figure shows: ``{"titles": [...], "xticks": [[...], ...]}``, one entry per panel.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise RuntimeError(
-            "jaxcomm bench --plot needs matplotlib: pip install 'jaxcomm[examples]' "
-            "(or pip install matplotlib)"
-        ) from e
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
-
-    ops = [op for op in OPS if any(r.op == op for r in rows)]
-    sizes = sorted({r.size_bytes for r in rows})
-    fig, axes = plt.subplots(1, len(ops), figsize=(max(6.0, 4.8 * len(ops)), 4.0), squeeze=False)
-    for ax, op in zip(axes[0], ops, strict=True):
-        for comp in dict.fromkeys(r.compressor for r in rows if r.op == op):
-            pts = sorted(
-                (r.size_bytes, r.algbw) for r in rows if r.op == op and r.compressor == comp
-            )
-            ax.plot([p[0] for p in pts], [p[1] / 1e9 for p in pts], marker="o", label=comp)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        # Ticks at the measured sizes, labelled as --sizes writes them (64K, 1M), and plain
-        # GB/s numbers instead of 6e-1.
-        ax.xaxis.set_major_locator(FixedLocator(sizes))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: size_label(x)))
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(_minor_gbps_label))
-        ax.set_title(plot_title(op, where), fontsize="medium")
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel("effective bandwidth algbw (GB/s)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    drawn = {
-        "titles": [ax.get_title() for ax in axes[0]],
-        "xticks": [[t.get_text() for t in ax.get_xticklabels()] for ax in axes[0]],
-    }
-    plt.close(fig)
-    return drawn
-
-
-def rows_to_json(rows: Sequence[BenchRow], config: BenchConfig, **meta: Any) -> dict:
-    """JSON-ready dict of a run."""
-    return {"config": asdict(config), **meta, "rows": [r._asdict() for r in rows]}
 
 
 if __name__ == "__main__":  # worker entry of the multi-process mode

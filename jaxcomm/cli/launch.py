@@ -6,13 +6,8 @@ environment :func:`jaxcomm.init_distributed` reads (``MASTER_ADDR=127.0.0.1``,
 rank's output, and tears everything down as soon as one rank fails or the timeout passes: each
 rank runs in its own process group, which is killed as a whole, so nothing is left behind.
 
-Optionally all ranks share one private network namespace whose loopback is shaped with ``tc``
-(token bucket rate, optional ``netem`` delay), which turns one machine into a stand-in for a
-slow cluster network. That needs root, ``unshare``, ``nsenter``, ``ip`` and ``tc``;
-:func:`can_shape_network` says whether it works here. Where the kernel lacks ``netem``
-(containers, gVisor), ``relay_delay`` adds a link delay without root: the ranks' TCP connections
-go through a userspace relay that delivers every byte that much later (:mod:`jaxcomm.cli._delay`);
-:func:`delay_options` picks netem when it works, else the relay.
+Optionally the ranks share a shaped loopback (:mod:`jaxcomm.cli.netshape`: ``tc`` rate and
+delay, or a userspace delay relay), a stand-in for a slow cluster network.
 
 Multi-node runs do not use this module: start one process per host with SLURM (``srun``),
 ``mpirun`` or ``torchrun`` and let :func:`jaxcomm.init_distributed` read their environment.
@@ -28,35 +23,27 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import shlex
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from jaxcomm.cli._proc import helper_process, pdeathsig_prefix, terminate
-
-__all__ = [
-    "LaunchError",
-    "LaunchResult",
-    "can_shape_network",
-    "delay_options",
-    "find_free_port",
-    "launch_local",
-    "network_shaping_problem",
-    "port_problem",
-    "shaped_network",
-]
-
-_LOCALHOST = "127.0.0.1"
+from jaxcomm.cli._proc import (
+    LOCALHOST,
+    find_free_port,
+    listening,
+    pdeathsig_prefix,
+    port_problem,
+    pump_lines,
+    stopped_pids,
+    terminate,
+)
+from jaxcomm.cli.netshape import shaped_network
 
 # Environment that would make children pick another coordinator than the one we assign.
 _STRIP_ENV = ("JAXCOMM_COORDINATOR", "JAX_COORDINATOR_ADDRESS", "OMPI_COMM_WORLD_RANK")
@@ -131,197 +118,6 @@ class LaunchError(RuntimeError):
         super().__init__(f"{result.describe()}\n--- last output ---\n{tail}")
 
 
-def find_free_port(host: str = _LOCALHOST) -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def port_problem(port: int, host: str = _LOCALHOST) -> str | None:
-    """Why ``port`` cannot be the coordinator's port on ``host``, or ``None`` if it can."""
-    if not 0 < port < 65536:
-        return f"port {port} is not in 1..65535"
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            return f"port {port} on {host} is not free ({e.strerror or e}): pick another or omit it"
-    return None
-
-
-def _listening(port: int, host: str = _LOCALHOST) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.2)
-        return s.connect_ex((host, port)) == 0
-
-
-def _stopped_pids(pgids: Sequence[int]) -> set[int]:
-    """Process groups among ``pgids`` with a stopped member (``/proc/*/stat`` state T or t)."""
-    wanted, found = set(pgids), set()
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # not Linux: no detection
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces or parentheses.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) in wanted and fields[0] in ("T", "t"):
-            found.add(int(fields[2]))
-    return found
-
-
-# --------------------------------------------------------------------------------------------
-# Shaped network namespace.
-# --------------------------------------------------------------------------------------------
-
-
-def _tc_script(rate: str | None, delay: str | None, burst: str) -> str:
-    """Shell commands that bring up ``lo`` and shape it inside a fresh namespace."""
-    cmds = ["ip link set lo up"]
-    # Each packet crosses lo's egress once, so a delay d adds d one way, 2d per round trip.
-    if delay and rate:
-        cmds.append(f"tc qdisc add dev lo root handle 1: netem delay {shlex.quote(delay)}")
-        cmds.append(
-            f"tc qdisc add dev lo parent 1:1 handle 10: tbf rate {shlex.quote(rate)} "
-            f"burst {shlex.quote(burst)} latency 200ms"
-        )
-    elif delay:
-        cmds.append(f"tc qdisc add dev lo root netem delay {shlex.quote(delay)}")
-    elif rate:
-        cmds.append(
-            f"tc qdisc add dev lo root tbf rate {shlex.quote(rate)} "
-            f"burst {shlex.quote(burst)} latency 200ms"
-        )
-    return " && ".join(cmds)
-
-
-_NETNS_TOOLS = ("unshare", "nsenter", "ip", "tc")
-
-
-def _netns_prerequisites() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "network shaping needs Linux network namespaces"
-    if os.geteuid() != 0:
-        return "network shaping needs root (unshare -n, tc)"
-    missing = [t for t in _NETNS_TOOLS if shutil.which(t) is None]
-    if missing:
-        return f"network shaping needs {', '.join(missing)} on PATH"
-    return None
-
-
-@functools.cache
-def network_shaping_problem(
-    rate: str | None = "1gbit", delay: str | None = None, burst: str = "256kb"
-) -> str | None:
-    """Why a shaped namespace cannot be made here, or ``None`` if it can.
-
-    Checks root and the tools, then really creates a throwaway namespace and applies the
-    ``tc`` setup (kernels without ``sch_netem``/``sch_tbf`` fail only at that point).
-    """
-    problem = _netns_prerequisites()
-    if problem:
-        return problem
-    script = _tc_script(rate, delay, burst)
-    try:
-        proc = subprocess.run(
-            ["unshare", "-n", "-u", "sh", "-c", script],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"unshare -n failed: {e}"
-    if proc.returncode != 0:
-        err = (proc.stderr or proc.stdout).strip().splitlines()
-        return f"`unshare -n -u sh -c {script!r}` failed: {err[-1] if err else proc.returncode}"
-    return None
-
-
-def can_shape_network(
-    rate: str | None = "1gbit", delay: str | None = None, burst: str = "256kb"
-) -> bool:
-    """Whether :func:`launch_local` can run ranks on a loopback shaped to ``rate``/``delay``."""
-    return network_shaping_problem(rate, delay, burst) is None
-
-
-@contextlib.contextmanager
-def shaped_network(
-    rate: str | None = "1gbit",
-    delay: str | None = None,
-    burst: str = "256kb",
-    *,
-    startup_timeout: float = 20.0,
-) -> Iterator[list[str]]:
-    """A private network + UTS namespace whose loopback is shaped; yields an ``nsenter`` prefix.
-
-    A holder process (``unshare -n -u`` then ``sleep``) owns the namespace for the duration of
-    the ``with`` block; prepend the yielded argv prefix to run a command inside it. The
-    hostname inside is ``localhost`` so that libraries which bind to "my hostname's address"
-    (gloo's TCP transport does) stay on loopback. Only ``lo`` exists inside.
-
-    Args:
-      rate: ``tc`` rate, e.g. ``"1gbit"``; ``None`` for no rate limit.
-      delay: ``netem`` one-way delay, e.g. ``"1ms"``; ``None`` for none.
-      burst: Token bucket size for ``tbf``.
-      startup_timeout: Seconds to wait for the namespace to be ready.
-
-    Raises:
-      RuntimeError: The namespace or the ``tc`` setup could not be created.
-    """
-    problem = _netns_prerequisites()
-    if problem:
-        raise RuntimeError(problem)
-    tc_setup = _tc_script(rate, delay, burst)
-    script = f"hostname localhost && {tc_setup} && echo ready && exec sleep infinity"
-    with helper_process(
-        ["unshare", "-n", "-u", "sh", "-c", script],
-        ready=lambda line: line == "ready",
-        error=lambda err: RuntimeError(f"could not create shaped namespace ({script!r}): {err}"),
-        startup_timeout=startup_timeout,
-        capture_stderr=True,
-    ) as (holder, _):
-        pid = holder.pid  # setpriv, unshare and sh exec in turn: the namespace's pid
-        yield ["nsenter", f"--net=/proc/{pid}/ns/net", f"--uts=/proc/{pid}/ns/uts", "--"]
-
-
-def delay_options(delay: str | None, rate: str | None = None) -> tuple[dict[str, str | None], str]:
-    """:func:`launch_local` keyword arguments for a link ``delay`` (and ``rate``), and a label.
-
-    ``tc netem`` where it works (root, ``sch_netem``), else the userspace relay of
-    :mod:`jaxcomm.cli._delay`. A ``rate`` always needs ``tc tbf`` (root).
-
-    Raises:
-      RuntimeError: neither way works here, or the rate cannot be shaped.
-    """
-    opts: dict[str, str | None] = {"netns_rate": rate, "netns_delay": None, "relay_delay": None}
-    if rate and network_shaping_problem(rate):
-        raise RuntimeError(f"cannot shape the rate: {network_shaping_problem(rate)}")
-    labels = [f"rate {rate} (tc tbf)"] if rate else []
-    if delay:
-        netem = network_shaping_problem(rate, delay)
-        if netem is None:
-            opts["netns_delay"] = delay
-            labels.append(f"delay {delay} one way (tc netem)")
-        else:
-            from jaxcomm.cli._delay import parse_delay, shim_problem
-
-            parse_delay(delay)  # a clear ValueError for a bad value
-            relay = shim_problem()
-            if relay:
-                raise RuntimeError(f"cannot add a delay: netem: {netem}; relay: {relay}")
-            opts["relay_delay"] = delay
-            labels.append(f"delay {delay} one way (userspace TCP relay; netem unavailable)")
-    return opts, ", ".join(labels) or "unshaped loopback"
-
-
 # --------------------------------------------------------------------------------------------
 # Launcher.
 # --------------------------------------------------------------------------------------------
@@ -338,38 +134,17 @@ def _rank_env(base: Mapping[str, str], rank: int, world: int, port: int) -> dict
     for key in _STRIP_ENV:
         env.pop(key, None)
     env.update(
-        MASTER_ADDR=_LOCALHOST,
+        MASTER_ADDR=LOCALHOST,
         MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
         # Keep the coordinator on loopback instead of JAX's default of all interfaces.
-        JAX_COORDINATOR_BIND_ADDRESS=f"{_LOCALHOST}:{port}",
+        JAX_COORDINATOR_BIND_ADDRESS=f"{LOCALHOST}:{port}",
         PYTHONUNBUFFERED="1",
     )
     return env
-
-
-def _pump(
-    rank: int,
-    stream: TextIO,
-    lines: list[str],
-    merged: list[str],
-    lock: threading.Lock,
-    echo: TextIO | None,
-) -> None:
-    """Copies one rank's output into ``lines`` and the prefixed ``merged`` log."""
-    for line in iter(stream.readline, ""):
-        text = line.rstrip("\n")
-        prefixed = f"[rank {rank}] {text}"
-        with lock:
-            lines.append(text)
-            merged.append(prefixed)
-            if echo is not None:
-                echo.write(prefixed + "\n")
-                echo.flush()
-    stream.close()
 
 
 def launch_local(
@@ -533,7 +308,7 @@ def _run_ranks(
             )
         readers = [
             threading.Thread(
-                target=_pump,
+                target=pump_lines,
                 args=(r, p.stdout, per_rank[r], merged, lock, echo),
                 daemon=True,
             )
@@ -552,14 +327,14 @@ def _run_ranks(
             now = time.monotonic()
             if now >= next_scan:  # a /proc scan costs a few ms: not every poll
                 next_scan = now + 0.25
-                stopped = _stopped_pids([p.pid for p in procs])
+                stopped = stopped_pids([p.pid for p in procs])
                 for r, p in enumerate(procs):
                     if p.pid in stopped and codes[r] is None:
                         stopped_since.setdefault(r, now)
                     else:
                         stopped_since.pop(r, None)
                 if probe_port and not port_seen and n > 1:
-                    port_seen = _listening(port)
+                    port_seen = listening(port)
             bad = [r for r, rc in enumerate(codes) if rc not in (None, 0)]
             if bad:
                 # Codes are read before we kill anything, so these ranks failed on their own;

@@ -18,7 +18,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 
-from jaxcomm.cli import bench as _bench_mod
+from jaxcomm.cli import bench, bench_report, bench_specs
 from jaxcomm.cli._text import terminal_text
 
 
@@ -39,20 +39,20 @@ def _add_bench(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="time compressed collectives: algbw, busbw, bytes on the wire (HLO)",
-        description=terminal_text(_bench_mod.__doc__),
+        description=terminal_text(bench.__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--ops",
-        default=",".join(_bench_mod.OPS),
-        help=f"comma-separated subset of {','.join(_bench_mod.OPS)} (all)",
+        default=",".join(bench_specs.OPS),
+        help=f"comma-separated subset of {','.join(bench_specs.OPS)} (all)",
     )
     p.add_argument(
         "--compressors",
         default="none,onebit",
         help="comma-separated compressor specs, e.g. none,onebit,quantize(bits=4) "
         "(default: none,onebit); 'all' runs every registered compressor that needs no "
-        f"arguments: {','.join(_bench_mod.registered_compressors())}",
+        f"arguments: {','.join(bench_specs.registered_compressors())}",
     )
     p.add_argument(
         "--sizes", default="64K,1M,16M", help="comma-separated message sizes (64K,1M,16M)"
@@ -102,21 +102,21 @@ def _run_bench(args: argparse.Namespace) -> int:
             return 2
     try:
         compressors = (
-            _bench_mod.registered_compressors()
+            bench_specs.registered_compressors()
             if args.compressors.strip() == "all"
-            else _bench_mod.split_specs(args.compressors)
+            else bench_specs.split_specs(args.compressors)
         )
-        config = _bench_mod.BenchConfig(
-            ops=tuple(_bench_mod.split_specs(args.ops)),
+        config = bench_specs.BenchConfig(
+            ops=tuple(bench_specs.split_specs(args.ops)),
             compressors=tuple(compressors),
-            sizes=tuple(_bench_mod.parse_size(s) for s in _bench_mod.split_specs(args.sizes)),
+            sizes=tuple(bench_specs.parse_size(s) for s in bench_specs.split_specs(args.sizes)),
             repeats=args.repeats,
             warmup=args.warmup,
             bucket_bytes=args.bucket_bytes,
             devices=args.devices,
             no_network=args.no_network,
         ).validate()
-        rows = _bench_mod.run_bench(
+        rows = bench.run_bench(
             config, procs=args.procs, rate=args.rate, delay=args.delay, timeout=args.timeout
         )
     except (ValueError, RuntimeError) as e:
@@ -124,7 +124,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         return 2
     n = rows[0].devices if rows else 0
     if args.procs:
-        from jaxcomm.cli.launch import delay_options
+        from jaxcomm.cli.netshape import delay_options
 
         where = f"{args.procs} processes (gloo), {delay_options(args.delay, args.rate)[1]}"
     else:
@@ -134,11 +134,11 @@ def _run_bench(args: argparse.Namespace) -> int:
         "busbw per ds_bench, wire = bytes per device from HLO; state donated and carried "
         "from call to call, as in a train step"
     )
-    _bench_mod.print_rows(rows, title, plain=args.plain)
+    bench_report.print_rows(rows, title, plain=args.plain)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                _bench_mod.rows_to_json(
+                bench_report.rows_to_json(
                     rows, config, procs=args.procs, rate=args.rate, delay=args.delay
                 ),
                 f,
@@ -154,7 +154,7 @@ def _run_bench(args: argparse.Namespace) -> int:
                 if platform == "cpu"
                 else f"in-process, {n} {platform.upper()} devices"
             )
-        _bench_mod.plot_rows(rows, args.plot, where=where)
+        bench_report.plot_rows(rows, args.plot, where=where)
         print(f"wrote {args.plot}")
     return 0
 
@@ -249,7 +249,8 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    from jaxcomm.cli.launch import delay_options, launch_local
+    from jaxcomm.cli.launch import launch_local
+    from jaxcomm.cli.netshape import delay_options
 
     try:
         argv = _rank_argv(args)

@@ -149,7 +149,8 @@ def resize_state(
             state_r = compressor.with_pending(share, template, bucket, op, axis_size=m, old=old)
             new_buckets[r].append(state_r)
     if dropped:
-        why = "reset=True" if reset else f"no known layout: {type(compressor).__name__}.pending_sum is None"
+        name = type(compressor).__name__
+        why = "reset=True" if reset else f"no known layout: {name}.pending_sum is None"
         warnings.warn(
             f"jaxcomm: resize_state from {n} to {m} devices reset the error feedback of "
             f"{', '.join(dropped)} ({why}): its untransmitted gradient information is lost",

@@ -1,0 +1,496 @@
+"""Time to loss on a slow link: held-out loss against wall-clock time and bytes, per optimizer.
+
+Two processes (one CPU device each, gloo; ``benchmarks/_two_ranks.py``) on a loopback shaped
+with ``tc tbf`` to ``--rate`` train the byte-level transformer LM of :mod:`jaxcomm.cli.models`
+(``--size small``: its defaults, 0.135M parameters; ``large``: width 128, 4 layers, 0.86M) from
+the same initial parameters on the same batches (``BATCH`` windows of 32 bytes per process and
+step) with each method, through ``jc.make_train_step`` with its default arguments:
+
+* ``exact_adam``: ``optax.chain(jc.compressed_mean("dp", jc.NoCompression()), optax.adam)``;
+* ``onebit_adam``: ``jc.onebit_adam`` (exact warm-up of ``FREEZE_FRACTION`` of Adam's steps);
+* ``zero_one_adam``: ``jc.zero_one_adam(total_steps=...)`` (its documented call);
+* ``diloco_int4``: ``jc.diloco`` (inner Adam, outer Nesterov SGD 0.7/0.9, ``H``), int4 outer
+  gradients with error feedback; with ``background=True`` (the sync on a host thread, merged
+  ``tau = 2`` steps later) where ``jc.diloco`` offers it;
+* ``streaming_diloco``: the same in ``F = 4`` fragments, ``tau = 2`` (background likewise);
+* ``sparseloco``: ``jc.diloco`` with ``jc.SparseLoCo`` outer gradients and outer ``optax.sgd``;
+* ``demo``: ``jc.demo``.
+
+Protocol. ``exact_adam`` runs first for ``--steps`` steps; its final held-out loss is the
+target and its training time ``T`` the budget. Every other method then trains until its
+held-out loss reaches the target or its training time reaches ``T``. The clock covers the
+training steps only (both ranks wait at a barrier before each block of ``EVAL_EVERY`` steps;
+a block's time is the slower rank's); held-out evaluation (512 fixed windows; DiLoCo's outer
+parameters, 0/1 Adam's mean parameters) and compilation are outside it: every method first
+runs ``WARM`` untimed steps from a copy of its initial state, which compiles the programs of
+its schedule. Bytes are what crossed the shaped link (the private namespace's loopback
+counters, all traffic during the timed blocks, divided by the two processes: TCP/IP headers
+included). Reported per method: time to reach exact Adam's final loss (at the first evaluation
+at or below it), or the loss reached within ``T``; the speedup ``T / time``; bytes.
+
+Settings (``SETTINGS``) were chosen once, by ``--select`` (seed 1, in one process on two
+simulated devices, ``SELECT_STEPS`` steps of the small model, the lowest held-out loss of each
+grid), not on the reported runs (seed 0). ``--quality`` checks the targets that do not depend
+on the link (seed 0, one process, two simulated devices, ``--steps`` steps): SparseLoCo's and
+DeMo's bytes per sync from the compiled HLO against fp32 DiLoCo's and exact Adam's, and their
+held-out losses. ``--plot`` draws the loss-time curves of result files.
+
+Usage (root for ``unshare``/``tc``; one link speed per invocation)::
+
+    python benchmarks/time_to_loss.py --rate 100mbit --size small --json OUT
+    python benchmarks/time_to_loss.py --select
+    python benchmarks/time_to_loss.py --quality --json OUT
+    python benchmarks/time_to_loss.py --plot PNG RESULT.json [RESULT.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+METHODS = (
+    "exact_adam",
+    "onebit_adam",
+    "zero_one_adam",
+    "diloco_int4",
+    "streaming_diloco",
+    "sparseloco",
+    "demo",
+)
+SIZES = {"small": dict(width=64, heads=4, layers=2), "large": dict(width=128, heads=4, layers=4)}
+BATCH = 16  # windows of 32 bytes per process and step
+EVAL_EVERY = 20
+WARM = 44  # untimed steps that compile each schedule's programs (DiLoCo: two syncs + tau)
+SELECT_STEPS = 600
+FREEZE_FRACTION = 0.15  # 1-bit Adam's exact warm-up, a share of exact Adam's steps
+
+#: Chosen by ``--select`` (seed 1; see the module docstring) and written down here.
+SETTINGS = {
+    "lr": 3e-3,  # Adam's, shared by 1-bit Adam, 0/1 Adam and DiLoCo's inner Adam
+    "sync_every": 20,  # DiLoCo's H (not selected: >= 30 outer steps in 600 steps)
+    "sparseloco_outer_lr": 1.0,
+    "sparseloco_top_k": 64,  # 64 of 4096 (1.56%), 2-bit values, error decay 0.95: the 72B run
+    "demo_lr": 3e-3,
+}
+#: ``--select``'s grids.
+GRIDS = {
+    "lr": (1e-3, 3e-3, 1e-2),
+    "sparseloco_outer_lr": (0.7, 1.0),
+    "demo_lr": (3e-4, 1e-3, 3e-3),
+}
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rate", default="100mbit", help="tc rate of the shaped loopback (100mbit)")
+    p.add_argument("--size", default="small", choices=sorted(SIZES))
+    p.add_argument("--steps", type=int, default=None, help="exact Adam's steps (by size)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
+    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
+    p.add_argument("--select", action="store_true", help="choose SETTINGS on seed 1")
+    p.add_argument("--quality", action="store_true", help="the link-independent targets")
+    p.add_argument("--plot", nargs="+", metavar=("PNG", "JSON"), help="plot result files")
+    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def default_steps(size: str) -> int:
+    return {"small": 400, "large": 100}[size]
+
+
+def has_background() -> bool:
+    import jaxcomm as jc
+
+    return "background" in inspect.signature(jc.diloco).parameters
+
+
+def make_tx(name: str, settings: dict, steps: int, axis: str = "dp"):
+    """The optimizer of method ``name`` (``steps``: exact Adam's step count)."""
+    import optax
+
+    import jaxcomm as jc
+
+    lr, h = settings["lr"], settings["sync_every"]
+    nesterov = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    int4 = jc.Quantize(bits=4, error_feedback=True)
+    background = dict(overlap_steps=2, background=True) if has_background() else {}
+    if name == "exact_adam":
+        return optax.chain(jc.compressed_mean(axis, jc.NoCompression()), optax.adam(lr))
+    if name == "onebit_adam":
+        return jc.onebit_adam(lr, freeze_step=int(FREEZE_FRACTION * steps), axis_name=axis)
+    if name == "zero_one_adam":
+        return jc.zero_one_adam(lr, axis_name=axis, total_steps=8 * steps)
+    if name == "diloco_int4":
+        return jc.diloco(optax.adam(lr), nesterov, h, axis, compressor=int4, **background)
+    if name == "diloco_fp32":
+        return jc.diloco(optax.adam(lr), nesterov, h, axis)
+    if name == "streaming_diloco":
+        if not background:
+            background = dict(overlap_steps=2)
+        return jc.diloco(
+            optax.adam(lr), nesterov, h, axis, compressor=int4, fragments=4, **background
+        )
+    if name == "sparseloco":
+        comp = jc.SparseLoCo(top_k=settings["sparseloco_top_k"], error_decay=0.95)
+        outer = optax.sgd(settings["sparseloco_outer_lr"])
+        return jc.diloco(optax.adam(lr), outer, h, axis, compressor=comp)
+    if name == "demo":
+        return jc.demo(settings["demo_lr"], axis_name=axis)
+    raise ValueError(f"time_to_loss: unknown method {name!r}")
+
+
+def evaluated(state):
+    """The model a method is evaluated on: DiLoCo's outer parameters, per-device parameters'
+    mean (0/1 Adam), else the parameters."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxcomm as jc
+
+    if isinstance(state.opt_state, jc.DiLoCoState):
+        theta = jc.diloco_params(state.opt_state)
+        return jax.tree.map(lambda p, t: t.astype(p.dtype), state.params, theta)
+    if jc.train.layout.params_are_per_device(state.opt_state):
+        return jax.tree.map(lambda p: jnp.mean(p, axis=0), state.params)
+    return state.params
+
+
+def _batches(data, seed: int, count: int, n: int):
+    rng = np.random.default_rng(seed + 1)  # the same batches for every method
+    return [data.sample(rng, (n * BATCH,)) for _ in range(count)]
+
+
+def _lo_bytes() -> int:
+    try:
+        return int(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
+    except OSError:
+        return 0
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm as jc
+    from jaxcomm.cli.models import ByteBatches, ByteTransformer
+
+    jax.distributed.initialize(
+        coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        num_processes=int(os.environ["WORLD_SIZE"]),
+        process_id=int(os.environ["RANK"]),
+    )
+    rank, n = jax.process_index(), jax.process_count()
+    mesh = jax.make_mesh((n,), ("dp",))
+    split = NamedSharding(mesh, P("dp"))
+    steps = args.steps or default_steps(args.size)
+    model = ByteTransformer(**SIZES[args.size])
+    params = model.init(args.seed)
+    data = ByteBatches.from_corpus(context=model.context)
+    held_inputs, held_targets = data.held_out(512)
+    batches = _batches(data, args.seed, 8 * steps + WARM, n)
+
+    def local(b):
+        return tuple(x[rank * BATCH : (rank + 1) * BATCH] for x in b)
+
+    @jax.jit
+    def held_out_loss(p):
+        logits = model.apply(p, held_inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, held_targets).mean()
+
+    slowest = jax.jit(
+        jax.shard_map(lambda t: lax.pmax(t, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    )
+
+    def agree(value: float) -> float:
+        """The largest of the ranks' values (a barrier too)."""
+        x = jax.make_array_from_process_local_data(split, np.full((1,), value, np.float32))
+        return float(np.asarray(slowest(x).addressable_data(0)).reshape(-1)[0])
+
+    def read(x) -> float:
+        return float(np.asarray(x.addressable_data(0)).reshape(-1)[0])
+
+    results = {}
+    target, budget = None, None
+    for name in [m for m in args.methods.split(",") if m]:
+        tx = make_tx(name, SETTINGS, steps)
+        step, state = jc.make_train_step(mesh, "dp", model.loss, tx, params)
+        start = jax.tree.map(jnp.copy, state)
+        t0 = time.perf_counter()
+        for i in range(WARM):  # compile the schedule's programs, untimed
+            state, loss = step(state, local(batches[i]))
+            if i % 8 == 7:
+                read(loss)
+        read(loss)
+        compile_s = agree(time.perf_counter() - t0)
+        del state
+        state = start
+        first = read(held_out_loss(evaluated(state)))
+        curve = {"step": [0], "seconds": [0.0], "bytes": [0], "loss": [first]}
+        elapsed, sent, i = 0.0, 0, 0
+        while True:
+            agree(0.0)
+            b0, t0 = _lo_bytes(), time.perf_counter()
+            for _ in range(EVAL_EVERY):
+                state, loss = step(state, local(batches[i]))
+                i += 1
+                if i % 8 == 0:
+                    read(loss)
+            read(loss)
+            jax.block_until_ready(state)
+            dt, b1 = time.perf_counter() - t0, _lo_bytes()
+            elapsed += agree(dt)
+            sent += (b1 - b0) // n if rank == 0 else 0
+            held = read(held_out_loss(evaluated(state)))
+            for key, value in zip(curve, (i, elapsed, sent, held), strict=True):
+                curve[key].append(value)
+            if target is None:
+                if i >= steps:
+                    break
+            elif held <= target or elapsed >= budget or i >= 8 * steps:
+                break
+        if target is None:
+            target, budget = held, elapsed
+        results[name] = {"curve": curve, "compile_s": compile_s, "steps": i}
+        print(f"[rank {rank}] {name}: {i} steps, {elapsed:.1f} s, loss {held:.4f}", flush=True)
+    out = {"rank": rank, "results": results, "steps": steps, "background": has_background()}
+    Path(args.worker, f"rank{rank}.json").write_text(json.dumps(out))
+    jax.distributed.shutdown()
+
+
+def time_to(curve: dict, target: float) -> float | None:
+    """Seconds at the first evaluation at or below ``target``."""
+    for s, loss in zip(curve["seconds"], curve["loss"], strict=True):
+        if loss <= target:
+            return s
+    return None
+
+
+def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
+    from _two_ranks import provenance
+
+    res = ranks[0]["results"]
+    adam = res["exact_adam"]["curve"]
+    target, budget = adam["loss"][-1], adam["seconds"][-1]
+    rows = {}
+    for name, r in res.items():
+        c = r["curve"]
+        t = time_to(c, target)
+        within = [loss for s, loss in zip(c["seconds"], c["loss"], strict=True) if s <= budget]
+        rows[name] = {
+            "steps": r["steps"],
+            "seconds": c["seconds"][-1],
+            "final_loss": c["loss"][-1],
+            "loss_within_adam_time": min(within),
+            "seconds_to_adam_loss": t,
+            "speedup_to_adam_loss": budget / t if t else None,
+            "bytes_per_process": c["bytes"][-1],
+            "bytes_per_step": c["bytes"][-1] / max(r["steps"], 1),
+            "step_ms": 1e3 * c["seconds"][-1] / max(r["steps"], 1),
+            "compile_and_warm_s": r["compile_s"],
+        }
+    return {
+        **provenance(),
+        "rate": args.rate if shaped else "unshaped",
+        "size": args.size,
+        "model": SIZES[args.size],
+        "params": _param_count(args.size),
+        "batch_windows_per_process": BATCH,
+        "exact_adam_steps": ranks[0]["steps"],
+        "diloco_background": ranks[0]["background"],
+        "settings": SETTINGS,
+        "target_loss": target,
+        "budget_s": budget,
+        "rows": rows,
+        "curves": {name: r["curve"] for name, r in res.items()},
+    }
+
+
+def _param_count(size: str) -> int:
+    from jaxcomm.cli.models import ByteTransformer
+
+    leaves = []
+
+    def walk(t):
+        for v in t.values():
+            walk(v) if isinstance(v, dict) else leaves.append(v.size)
+
+    walk(ByteTransformer(**SIZES[size]).init(0))
+    return int(sum(leaves))
+
+
+def _table(summary: dict) -> str:
+    lines = [
+        f"time to exact Adam's final held-out loss {summary['target_loss']:.4f} "
+        f"({summary['exact_adam_steps']} steps, {summary['budget_s']:.1f} s): "
+        f"{summary['size']} model ({summary['params']:,} parameters), 2 processes, "
+        f"{summary['rate']}; DiLoCo background sync: {summary['diloco_background']}",
+        f"{'method':<18}{'steps':>6}{'step ms':>9}{'to target s':>13}{'speedup':>9}"
+        f"{'loss in T':>11}{'MB/process':>12}",
+    ]
+    for name, r in summary["rows"].items():
+        t, x = r["seconds_to_adam_loss"], r["speedup_to_adam_loss"]
+        lines.append(
+            f"{name:<18}{r['steps']:>6}{r['step_ms']:>9.1f}"
+            f"{(f'{t:.1f}' if t is not None else '-'):>13}"
+            f"{(f'{x:.2f}x' if t else '-'):>9}"
+            f"{r['loss_within_adam_time']:>11.4f}{r['bytes_per_process'] / 1e6:>12.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _in_process(names, settings, seed: int, steps: int, hlo: bool = False) -> dict:
+    """Held-out loss after ``steps`` (one process, two simulated devices) and, with ``hlo``,
+    the wire bytes per device of each method's communicating program (compiled HLO)."""
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", "2")
+    import jax
+    import optax
+
+    import jaxcomm as jc
+    from jaxcomm.cli.models import ByteBatches, ByteTransformer
+
+    mesh = jax.make_mesh((2,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    model = ByteTransformer(**SIZES["small"])
+    params = model.init(seed)
+    data = ByteBatches.from_corpus(context=model.context)
+    held_inputs, held_targets = data.held_out(512)
+    batches = _batches(data, seed, steps, 2)
+
+    @jax.jit
+    def held_out_loss(p):
+        logits = model.apply(p, held_inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, held_targets).mean()
+
+    out = {}
+    for name in names:
+        tx = make_tx(name, settings, steps)
+        step, state = jc.make_train_step(mesh, "dp", model.loss, tx, params)
+        row = {}
+        if hlo:
+            whole, s0 = jc.make_train_step(
+                mesh, "dp", model.loss, tx, params, specialize_phases=False
+            )
+            report = jc.comms_report(whole, s0, batches[0])
+            row["wire_bytes_per_sync"] = report.wire_bytes
+            row["comms"] = [r._asdict() for r in report.rows]
+        for i in range(steps):
+            state, loss = step(state, batches[i])
+            if i % 8 == 7:
+                float(loss)
+        row["loss"] = float(held_out_loss(evaluated(state)))
+        out[name] = row
+        print(f"{name}: {row}", flush=True)
+    return out
+
+
+def _select(args) -> int:
+    """Each setting's grid on seed 1; prints the choice to write into SETTINGS."""
+    from _two_ranks import provenance
+
+    chosen, grids = dict(SETTINGS), {}
+    grid_methods = {"lr": "exact_adam", "sparseloco_outer_lr": "sparseloco", "demo_lr": "demo"}
+    for key, method in grid_methods.items():
+        losses = {}
+        for value in GRIDS[key]:
+            trial = {**chosen, key: value}
+            losses[value] = _in_process([method], trial, 1, SELECT_STEPS)[method]["loss"]
+        chosen[key] = min(losses, key=losses.get)
+        grids[key] = {str(v): loss for v, loss in losses.items()}
+        print(f"{key}: {losses} -> {chosen[key]}", flush=True)
+    print(json.dumps(chosen))
+    if args.json:
+        out = {**provenance(), "seed": 1, "steps": SELECT_STEPS, "held_out_loss": grids}
+        Path(args.json).write_text(json.dumps({**out, "chosen": chosen}, indent=2))
+    return 0
+
+
+def _quality(args) -> int:
+    from _two_ranks import provenance
+
+    steps = args.steps or SELECT_STEPS
+    names = ("exact_adam", "diloco_fp32", "sparseloco", "demo")
+    rows = _in_process(names, SETTINGS, args.seed, steps, hlo=True)
+    adam, fp32 = rows["exact_adam"], rows["diloco_fp32"]
+    summary = {
+        **provenance(),
+        "steps": steps,
+        "outer_steps": steps // SETTINGS["sync_every"],
+        "settings": SETTINGS,
+        "rows": rows,
+        "sparseloco_bytes_ratio_vs_fp32_diloco": fp32["wire_bytes_per_sync"]
+        / rows["sparseloco"]["wire_bytes_per_sync"],
+        "sparseloco_loss_vs_fp32_diloco": rows["sparseloco"]["loss"] / fp32["loss"] - 1,
+        "demo_bytes_ratio_vs_adam": adam["wire_bytes_per_sync"]
+        / rows["demo"]["wire_bytes_per_sync"],
+        "demo_loss_vs_adam": rows["demo"]["loss"] / adam["loss"] - 1,
+    }
+    for key in [k for k in summary if k.startswith(("sparseloco_", "demo_"))]:
+        print(f"{key}: {summary[key]:.4g}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def _plot(png: str, files: list[str]) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4.2), squeeze=False)
+    for ax, run in zip(axes[0], runs, strict=True):
+        for name, c in run["curves"].items():
+            style = "k-" if name == "exact_adam" else "-"
+            ax.plot(c["seconds"], c["loss"], style, label=name, lw=1.4)
+        ax.axhline(run["target_loss"], color="grey", ls=":", lw=1)
+        ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_xlabel("training seconds (slower rank)")
+        ax.set_ylabel("held-out loss")
+        ax.set_title(f"{run['size']} ({run['params'] / 1e6:.2f}M), {run['rate']}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    if args.plot:
+        return _plot(args.plot[0], args.plot[1:])
+    if args.select:
+        return _select(args)
+    if args.quality:
+        return _quality(args)
+    from _two_ranks import report_two_ranks
+
+    worker_args = [f"--methods={args.methods}", f"--size={args.size}", f"--seed={args.seed}"]
+    if args.steps:
+        worker_args.append(f"--steps={args.steps}")
+    return report_two_ranks(
+        __file__, worker_args, args, prefix="time_to_loss_", summarize=_summarize, table=_table
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

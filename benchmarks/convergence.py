@@ -168,6 +168,7 @@ def train(name: str, tx, kind_of, cfg, mesh, data, model) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm as jc
+    from jaxcomm.cli.progress import StepLog
 
     axis = mesh.axis_names[0]
     n = mesh.shape[axis]
@@ -188,6 +189,7 @@ def train(name: str, tx, kind_of, cfg, mesh, data, model) -> dict:
     kinds: dict[str, int] = {}
     peak, peak_step, first_100 = 0.0, 0, None
     start = time.perf_counter()
+    progress = StepLog(name, cfg.steps)
     for i in range(cfg.steps):
         batch = tuple(
             jax.device_put(a, sharding) for a in data.sample(rng, (n * cfg.batch_per_device,))
@@ -195,6 +197,7 @@ def train(name: str, tx, kind_of, cfg, mesh, data, model) -> dict:
         kind = kind_of(state.opt_state)
         kinds[kind] = kinds.get(kind, 0) + 1
         state, loss = step(state, batch)
+        progress.step(1, loss)
         if (i + 1) % cfg.check_every == 0 or i + 1 == cfg.steps:
             m = float(max_abs(state.params))
             if not math.isfinite(m) or m > peak:

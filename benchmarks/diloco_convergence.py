@@ -107,6 +107,7 @@ def train(name: str, cfg, mesh, data, steps: int, eval_every: int) -> dict:
     from flax import nnx
 
     import jaxcomm as jc
+    from jaxcomm.cli.progress import StepLog
     from jaxcomm.optim.diloco_state import fragment_leaves, fragment_offsets
 
     H, comp_name, F, tau = RUNS[name]
@@ -152,9 +153,11 @@ def train(name: str, cfg, mesh, data, steps: int, eval_every: int) -> dict:
     rng = np.random.default_rng(cfg.seed + 1)  # the old demo's batches
     curve = []
     start = time.perf_counter()
+    progress = StepLog(name, steps)
     for i in range(steps):
         batch = data.sample(rng, (n * cfg.batch_per_device,))
         state, loss = step(state, batch)
+        progress.step(1, loss)
         # One step at a time: queuing many programs with collectives on 8 simulated CPU
         # devices can starve XLA's rendezvous (threads wait for each other, then abort).
         loss.block_until_ready()

@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     import optax
 
     import jaxcomm as jc
+    from jaxcomm.cli.progress import StepLog
     from jaxcomm.cli.textdata import CharBatches
     from jaxcomm.inspect import wire_bytes
 
@@ -97,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         compiled = step.lower(state, batches[0]).compile()
         hlo_bytes = wire_bytes(compiled.as_text())
         losses = []
+        progress = StepLog(name, len(batches))
         for batch in batches:
             state, loss = compiled(state, batch)
             losses.append(float(loss))
+            progress.step(1, losses[-1])
         p = jc.params_of(state)
         logits = logits_fn(p, held_inputs)
         held_loss = optax.softmax_cross_entropy_with_integer_labels(logits, held_targets).mean()

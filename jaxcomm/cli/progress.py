@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
 
 def is_terminal(stream: TextIO) -> bool:
@@ -64,14 +64,15 @@ class StepLog:
         self.start = clock()
         print(f"{name}: {total} steps", file=self.stream, flush=True)
 
-    def step(self, k: int = 1, loss: float | None = None) -> None:
-        """Count ``k`` more steps (the last of which had ``loss``); print when one is due."""
+    def step(self, k: int = 1, loss: Any = None) -> None:
+        """Count ``k`` more steps (the last of which had ``loss``, a number or a JAX scalar,
+        read only when a line is printed); print when one is due."""
         before, self.done = self.done, self.done + k
         if self.done // self.every == before // self.every and self.done != self.total:
             return
         elapsed = self.clock() - self.start
         left = elapsed / self.done * max(0, self.total - self.done)
-        shown = "" if loss is None else f"  loss {loss:.4f}"
+        shown = "" if loss is None else f"  loss {float(loss):.4f}"
         print(
             f"{self.name}: step {self.done}/{self.total}{shown}  elapsed {elapsed:.0f}s"
             f"  left ~{left:.0f}s",

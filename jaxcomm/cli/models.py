@@ -1,6 +1,6 @@
 """A small byte-level transformer LM and an offline byte corpus: the convergence test task.
 
-The model is what breaks naive 1-bit optimizers on real models (issue 13): the full 256-byte
+The model has what breaks naive 1-bit optimizers on real models: the full 256-byte
 vocabulary, unfiltered, so the embedding rows of bytes that never (or rarely) occur get no
 gradient; and attention with a bias on the fused ``qkv`` projection, whose key part has an exactly
 zero gradient (a constant added to every score of a query does not change its softmax). Both
@@ -92,7 +92,7 @@ class ByteBatches:
 class ByteTransformer:
     """Sizes of the LM; ``init(seed)`` gives the parameters, ``apply(params, ids)`` the logits.
 
-    The defaults have 135,168 parameters (issue 13's "about 0.14M"): 16,384 of them in the token
+    The defaults have 135,168 parameters: 16,384 of them in the token
     embedding, 192 in each block's ``qkv`` bias (64 of those the key part).
     """
 

@@ -22,10 +22,10 @@ class Cast(ReduceInFp32):
     The sum is ``n`` times the mean, computed in fp32 after the gather.
 
     Why not ``psum`` of the 16-bit buffer: XLA's CPU pipeline promotes a bf16 all-reduce to f32
-    (measured on jax 0.10.2: ``all-reduce`` of ``f32`` with a ``_promoted`` reduction), which
+    (seen on jax 0.10.2: ``all-reduce`` of ``f32`` with a ``_promoted`` reduction), which
     silently doubles the bytes, and a 16-bit ring sums partial results in 16 bits at every hop.
     all_to_all and all_gather only move data, and the payload crosses them as raw ``uint16``
-    bits: XLA also moves plain float converts across them (measured: with a ``bf16`` operand the
+    bits: XLA also moves plain float converts across them (seen: with a ``bf16`` operand the
     compiled all_to_all/all_gather ran in f32), but not a bitcast. The compiled HLO's payload is
     ``u16`` (tested) and the reduction is fp32. Bytes: ``2 (n-1)/n * 2 N``, 2x less than fp32.
 
@@ -55,7 +55,7 @@ class Cast(ReduceInFp32):
         payload = scaled.astype(self.dtype)
         recon = payload.astype(jnp.float32)
         # Sent as raw uint16 bits: XLA's algebraic passes move a float convert across an
-        # all_to_all/all_gather (measured: the bf16 payload became f32 on CPU), not a bitcast.
+        # all_to_all/all_gather (seen: the bf16 payload became f32 on CPU), not a bitcast.
         bits = lax.bitcast_convert_type(payload, jnp.uint16)
         return (bits,), (recon * divisor if divisor != 1 else recon)
 

@@ -34,9 +34,8 @@ def scaled_sign_rows(packed: jax.Array, scale: jax.Array | float) -> jax.Array:
 
     A select of ``scale`` or ``-scale`` on a masked bit: XLA:CPU vectorises it over the 8
     bits of a row (shifting the bits down and converting them to floats, ``(bit * 2 - 1) *
-    scale``, the same values, ran 5.6x slower). Computed in this shape, a fusion reads each
-    byte once per row; a consumer in the flat shape indexes a byte per element instead (a
-    server sum of two received rows into 32 MiB: 9.2 ms flat, 1.7 ms in rows, on one core).
+    scale``, gives the same values, slower). Computed in this shape, a fusion reads each byte
+    once per row; a consumer in the flat shape indexes a byte per element instead.
     """
     set_ = (packed[..., None] & _BIT_MASKS) != 0
     scale = jnp.asarray(scale, jnp.float32)[..., None]
@@ -79,7 +78,7 @@ def _weighted_sign_sum(packed: jax.Array, weights: jax.Array) -> jax.Array:
     """``sum_j weights[j] * unpack(packed[j])`` for packed ``(n, M)`` -> ``(M, 8)`` fp32 rows.
 
     For small ``n`` this unrolls into one elementwise fusion that reads each packed row once and
-    never materializes ``n`` unpacked float rows (the naive broadcast is ~4x slower on CPU).
+    never materializes ``n`` unpacked float rows (the naive broadcast is slower on CPU).
     """
     n = packed.shape[0]
     if n <= 16:
@@ -95,8 +94,8 @@ def _plus_error(flat: jax.Array, error: jax.Array, sizes, axis_name) -> jax.Arra
 
     ``flat`` is a bucket's concatenation of leaves of ``sizes``; ``error`` is ``(Np,)`` or a
     ``(1, Np)`` block, and the result has its shape. XLA:CPU emits a concatenate or a pad
-    element by element with a branch per operand, several times slower than the memory traffic
-    (the fused concatenate + add of a 64 MiB bucket took 260 ms of a 400 ms 1-bit Adam step).
+    element by element with a branch per operand, several times slower than the memory
+    traffic.
     XLA folds each ``slice`` of the concatenate back to its leaf, so here every leaf's producer
     (e.g. an optimizer's momentum update) and its slice of the error are written straight into
     their slice of one buffer (``dynamic_update_slice`` in place).
@@ -141,8 +140,8 @@ class OneBit(TwoStageFeedback):
        ``concat_r s_s[r] * sgn(c_r)`` cut to ``N`` (the sum is ``n`` times it).
 
     Only packed ``uint8`` signs and ``n`` fp32 scales per stage cross the wire, in one
-    collective per stage (a scale travels with its signs: a collective's fixed cost, ~3 ms on
-    a shaped 1 Gbit/s link, was paid twice per stage, 40 times a step over 20 buckets): about
+    collective per stage (a scale travels with its signs, so a collective's fixed cost is paid
+    once per stage and bucket): about
     ``2 (n-1)/n * Np/8`` bytes per device against ``2 (n-1)/n * 4N`` for an fp32 ring all-reduce
     (32x less). Invariant at both stages: ``input + e_old == reconstruction + e_new``.
 
@@ -277,11 +276,9 @@ class OneBit(TwoStageFeedback):
         signs, scales, state, _ = self._all_reduce(flat, state, sizes, axis_name, axis_size, False)
         return self._decode(signs, scales, flat.shape[0]), state
 
-    # Guarded: the mean is decoded by a conditional into a buffer of its own, which XLA cannot
-    # fuse into the consumers: fused, each consumer in a leaf's shape (an optimizer's moment and
-    # parameter updates) decoded a packed byte per element, unvectorised (1-bit Adam's step, MLP
-    # 4 x 2048^2: its moment passes 5.0 -> 3.3 ms each on one core). Not finite (the devices
-    # agree, from the gathered scales): NaN, as the scales would be, or the fallback.
+    # Guarded: the mean is decoded by a conditional into a buffer of its own, so that no
+    # consumer in a leaf's shape decodes a packed byte per element, unvectorised. Not finite
+    # (the devices agree, from the gathered scales): NaN, as the scales would be, or the fallback.
 
     def guarded_all_reduce_bucket(self, flat, state, bucket, *, axis_name, axis_size):
         signs, scales, state, finite = self._all_reduce(

@@ -55,12 +55,11 @@ def compressed_mean(
 
     With an adaptive optimizer after it (Adam, LAMB) use ``jc.Quantize(bits=8,
     error_feedback=True)``: Adam's variance is computed from the compressed mean, and 1-bit
-    signs with one scale per bucket distort it. Measured on the byte-level transformer LM of
-    ``benchmarks/convergence.py`` (384 steps, 8 devices, 15% exact warm-up, held-out loss vs
-    exact Adam): int8 + EF +0.2% at 2.7x less traffic, int4 + EF +3.7% at 3.9x, 1-bit (the
-    default) +22.8% at 5.6x. For 1-bit traffic with Adam use :func:`jaxcomm.onebit_adam`
-    (-0.2% at 5.6x there), which compresses the momentum after freezing the variance. The 1-bit
-    default suits momentum SGD and Lion-like sign methods.
+    signs with one scale per bucket distort it (on the byte-level transformer LM of
+    ``benchmarks/convergence.py``, int8 + EF stayed near exact Adam's held-out loss and 1-bit
+    did not; the CHANGELOG has the numbers). For 1-bit traffic with Adam use
+    :func:`jaxcomm.onebit_adam`, which compresses the momentum after freezing the variance. The
+    1-bit default suits momentum SGD and Lion-like sign methods.
 
     Args:
       axis_name: the data-parallel mesh or pmap axis.

@@ -77,7 +77,13 @@ from jaxcomm.comm.state import init_state
 from jaxcomm.compressors import Compressor
 from jaxcomm.optim._common import all_finite, check_skips
 from jaxcomm.optim.diloco_background import BackgroundSpec, check_driven, register
-from jaxcomm.optim.diloco_outer import axis_size_of, check_leaves, make_outer_step, periodic
+from jaxcomm.optim.diloco_outer import (
+    axis_size_of,
+    check_leaves,
+    check_update,
+    make_outer_step,
+    periodic,
+)
 from jaxcomm.optim.diloco_stages import check_staged
 from jaxcomm.optim.diloco_state import (
     DiLoCoLocal,
@@ -240,28 +246,10 @@ def diloco(
         return jax.tree.map(lambda x: ensure_varying(x, axis_name), tree)
 
     def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(
-                "jaxcomm: diloco needs the local parameters: call update(grads, state, params)"
-            )
-        if not isinstance(state, DiLoCoState):
-            raise TypeError(f"jaxcomm: diloco got a state of type {type(state).__name__}")
         param_leaves, treedef = jax.tree.flatten(params)
-        check_leaves(param_leaves, F)
+        check_update(state, param_leaves, axis_name, F)
         if background:
             check_driven()
-        try:
-            bound = int(lax.axis_size(axis_name))
-        except NameError as err:
-            raise ValueError(
-                f"jaxcomm: diloco's axis {axis_name!r} is not bound here: call update inside "
-                f"jax.shard_map / jax.pmap over {axis_name!r} (e.g. via jc.make_train_step)"
-            ) from err
-        if state.devices.shape[0] != bound:
-            raise ValueError(
-                f"jaxcomm: this DiLoCo state was built for {state.devices.shape[0]} devices but "
-                f"axis {axis_name!r} has {bound}: convert it with jc.resize_diloco_state"
-            )
         if jnp.ndim(state.local.nonfinite) == 1:
             # Inside jc.local_view the per-device leaves are (1, ...) blocks (DiLoCoLocal is
             # registered with blocks=True): the inner optimizer runs under vmap over that axis,

@@ -18,7 +18,7 @@ from jax import lax
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.optim._common import all_finite
-from jaxcomm.optim.diloco_state import check_int
+from jaxcomm.optim.diloco_state import DiLoCoState, check_int
 from jaxcomm.optim.schedule import STEADY_FOREVER
 
 
@@ -45,6 +45,30 @@ def check_leaves(leaves: Sequence, fragments: int) -> None:
             f"jaxcomm: diloco fragments={fragments} but the parameters have only {len(leaves)} "
             f"leaves (fragments are sets of whole leaves, leaf i in fragment i % fragments): "
             f"use fragments <= {len(leaves)}"
+        )
+
+
+def check_update(state, param_leaves: Sequence, axis_name, fragments: int) -> None:
+    """Refuse, at trace time, an update without parameters, state or bound axis, or whose
+    state was built for another device count."""
+    if param_leaves is None or not param_leaves:
+        raise ValueError(
+            "jaxcomm: diloco needs the local parameters: call update(grads, state, params)"
+        )
+    if not isinstance(state, DiLoCoState):
+        raise TypeError(f"jaxcomm: diloco got a state of type {type(state).__name__}")
+    check_leaves(param_leaves, fragments)
+    try:
+        bound = int(lax.axis_size(axis_name))
+    except NameError as err:
+        raise ValueError(
+            f"jaxcomm: diloco's axis {axis_name!r} is not bound here: call update inside "
+            f"jax.shard_map / jax.pmap over {axis_name!r} (e.g. via jc.make_train_step)"
+        ) from err
+    if state.devices.shape[0] != bound:
+        raise ValueError(
+            f"jaxcomm: this DiLoCo state was built for {state.devices.shape[0]} devices but "
+            f"axis {axis_name!r} has {bound}: convert it with jc.resize_diloco_state"
         )
 
 

@@ -18,7 +18,8 @@ jaxcomm argument at its default. Rows:
   total_steps=40)`` (its documented call), timed after the variance freeze, so every round holds
   whole cycles (one local step and one synchronisation with the default cap of 2);
 * on request, beside them: ``onebit_adam_single`` (``specialize_phases=False``: one program
-  with the schedule's branches) and ``onebit_adam_program`` (tuned: the compressed phase's
+  with the schedule's branches), ``*_unbounded`` (``max_in_flight=None``: what the bound on
+  queued steps costs) and ``onebit_adam_program`` (tuned: the compressed phase's
   program called directly, no phase read per step, the batch placed once).
 
 Model: the MLP of ``train_step_1gbit.py`` (4 x 2048 x 2048, 16.8M fp32 parameters, 64 MiB),
@@ -45,7 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 METHODS = ("readme_pmean", "readme_onebit", "local", "exact_adam", "onebit_adam", "zero_one_adam")
 #: Beside the default rows, on request (``--methods``): a setting, and a tuned call.
-EXTRA = ("onebit_adam_single", "onebit_adam_program")
+EXTRA = (
+    "onebit_adam_single",
+    "onebit_adam_program",
+    "exact_adam_unbounded",
+    "onebit_adam_unbounded",
+)
 LR = 1e-3
 WIDTH, LAYERS, BATCH = 2048, 4, 16
 
@@ -199,13 +205,25 @@ def _worker(args: argparse.Namespace) -> None:
         "onebit_adam_single": lambda: train(
             jc.onebit_adam(LR, freeze_step=4, axis_name="dp"), specialize_phases=False
         ),
+        "exact_adam_unbounded": lambda: train(
+            optax.chain(jc.compressed_mean("dp", jc.NoCompression()), optax.adam(LR)),
+            max_in_flight=None,
+        ),
+        "onebit_adam_unbounded": lambda: train(
+            jc.onebit_adam(LR, freeze_step=4, axis_name="dp"), max_in_flight=None
+        ),
         "onebit_adam_program": lambda: phase_program(
             jc.onebit_adam(LR, freeze_step=4, axis_name="dp"), warm=8
         ),
         "zero_one_adam": lambda: train(jc.zero_one_adam(LR, axis_name="dp", total_steps=40)),
     }
     # past the freeze, into whole cycles
-    warmup = {"onebit_adam": 8, "onebit_adam_single": 8, "zero_one_adam": 16}
+    warmup = {
+        "onebit_adam": 8,
+        "onebit_adam_single": 8,
+        "onebit_adam_unbounded": 8,
+        "zero_one_adam": 16,
+    }
     names = [m for m in args.methods.split(",") if m]
     token = jax.make_array_from_process_local_data(split, np.ones((1,), np.float32))
     barrier = jax.jit(
@@ -244,6 +262,9 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
     ratio("onebit_adam_speedup_vs_exact", "exact_adam", "onebit_adam")
     ratio("onebit_adam_over_local", "onebit_adam", "local")
     ratio("zero_one_adam_speedup_vs_exact", "exact_adam", "zero_one_adam")
+    # The bound on queued steps (max_in_flight=2, the default) against none: its cost.
+    ratio("exact_adam_bound_cost", "exact_adam", "exact_adam_unbounded")
+    ratio("onebit_adam_bound_cost", "onebit_adam", "onebit_adam_unbounded")
     return {
         **provenance(),
         "rate": args.rate if shaped else "unshaped",

@@ -71,6 +71,7 @@ def provenance(doc: dict) -> dict[str, str]:
                               f"{cores} cores" if cores else f"cores {MISSING}"]),
         "date": doc.get("date", MISSING)[:10],
         "commit": f"`{doc['commit'][:12]}`" if doc.get("commit") else MISSING,
+        "note": doc.get("note", ""),
     }
 
 
@@ -155,8 +156,9 @@ def provenance_table(results: dict[str, dict]) -> str:
     for name, doc in results.items():
         p = provenance(doc)
         rows.append([f"`{name}`", p["command"], p["jaxcomm"], p["jax"], p["machine"], p["date"],
-                     p["commit"]])
-    return table(["results file", "command", "jaxcomm", "JAX", "machine", "date", "commit"], rows)
+                     p["commit"], p["note"]])
+    return table(["results file", "command", "jaxcomm", "JAX", "machine", "date", "commit",
+                  "note"], rows)
 
 
 def demo_table(results: dict[str, dict]) -> str:

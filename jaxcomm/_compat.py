@@ -13,7 +13,7 @@ from jax import lax
 try:  # jax >= 0.7: the gather whose result is typed as replicated along the axis.
     from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
 except ImportError:  # pragma: no cover - older or newer layouts
-    _all_gather_invariant = None
+    _all_gather_invariant = None  # type: ignore[assignment]
 
 
 def bound_axis_size(axis_name: str) -> int:

@@ -163,7 +163,7 @@ def listening(port: int, host: str = LOCALHOST) -> bool:
 
 def stopped_pids(pgids: Sequence[int]) -> set[int]:
     """Process groups among ``pgids`` with a stopped member (``/proc/*/stat`` state T or t)."""
-    wanted, found = set(pgids), set()
+    wanted, found = set(pgids), set[int]()
     try:
         entries = os.listdir("/proc")
     except OSError:  # not Linux: no detection

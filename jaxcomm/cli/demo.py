@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -113,11 +114,16 @@ def train(
     return result
 
 
+def _advance(bar, task, k: int, loss: float) -> None:
+    bar.advance(task, k)
+
+
 def _averaged(opt_state) -> bool:
     import jaxcomm as jc
+    from jaxcomm.train.layout import params_are_per_device
 
     diloco = isinstance(opt_state, jc.DiLoCoState)
-    return jc.train.layout.params_are_per_device(opt_state) and not diloco
+    return params_are_per_device(opt_state) and not diloco
 
 
 def evaluated_params(state):
@@ -221,7 +227,7 @@ def run(
                 results.append(train(method, cfg, mesh, data, log.step))
                 continue
             task = bar.add_task(f"{method:>16}", total=cfg.steps)
-            results.append(train(method, cfg, mesh, data, lambda k, _, t=task: bar.advance(t, k)))
+            results.append(train(method, cfg, mesh, data, partial(_advance, bar, task)))
     params = make_model(cfg).init(cfg.seed)
     bytes_per_kind = wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes, cfg.methods)
     rows = summarize(results, bytes_per_kind, cfg.warmup_steps)

@@ -250,4 +250,7 @@ def compiled_text(fn, *args, **kwargs) -> str:
     import jax
 
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return jitted.lower(*args, **kwargs).compile().as_text()
+    text = jitted.lower(*args, **kwargs).compile().as_text()
+    if text is None:
+        raise ValueError("this backend gives no text for the compiled program; inspect needs it")
+    return text

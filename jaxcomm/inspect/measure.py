@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.comm.all_reduce import compressed_pmean
 from jaxcomm.comm.state import init_state
-from jaxcomm.inspect.hlo import collectives_in_hlo, replica_groups, wire_bytes
+from jaxcomm.inspect.hlo import collectives_in_hlo, compiled_text, replica_groups, wire_bytes
 
 
 def wire_bytes_by_axes(text: str, mesh: jax.sharding.Mesh) -> dict[tuple[str, ...], float]:
@@ -61,4 +61,4 @@ def mean_wire_bytes(mesh, axis: str, tree, compressor, bucket_bytes: int | None 
     fn = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=(P(), P(axis)))
     )
-    return wire_bytes(fn.lower(glob, g_state).compile().as_text())
+    return wire_bytes(compiled_text(fn, glob, g_state))

@@ -152,26 +152,15 @@ def scale_by_onebit_adam(
             c2 = 1 - b2_**tv
 
         def denominator(nu, frozen):
-            """``sqrt(v_hat) + eps``, damped after the freeze (``variance_floor``).
-
-            The leaf's mean is taken of ``v`` itself (a read-only pass): taking it of ``v / c2``
-            would give that quotient two consumers, and XLA would materialise it. (Taken once
-            per step, outside the cond, the means made the pmap and shard_map programs round
-            differently: tests/test_examples.py holds them bit for bit equal.)
-            """
+            """``sqrt(v_hat) + eps``, damped after the freeze (``variance_floor``). The leaf's
+            mean is taken of ``v`` itself, so that ``v / c2`` is not materialised."""
             return jax.tree.map(
                 lambda v: damped_denominator(v, eps_, floor, scale=c2, enabled=frozen), nu
             )
 
-        # With preconditioning, the first compressed step moves the moments into the step's
-        # space for good (state.preconditioned): mu = m / d, nu = d, the damped denominator of
-        # the frozen v. The 1-bit mean of the preconditioned momenta is then the new mu itself
-        # and the step is mu / c1: no pass maps the mean back, none recomputes d (its floor is
-        # a reduction of v per leaf; its sqrt and division cost more than the memory traffic).
-        # The schedule: 0 warm-up, 1 compressed from Adam's moments, 2 compressed in the step's
-        # space (without preconditioning: 0 and 1). It is a Python int when it is static or the
-        # step is phase-specialised (jaxcomm.train.phased): then only its branch is traced and the
-        # selects below fold.
+        # Phases: 0 warm-up, 1 compressed from Adam's moments, 2 compressed in the step's space
+        # (mu = m / d, nu = d from the first compressed step on, so the 1-bit mean is the new mu).
+        # A Python int when static or phase-specialised: only its branch is traced.
         if static_freeze is not None and static_freeze <= 0:  # no warm-up branch at all
             frozen = True
             # Moved after the first step that is not skipped, then for good.
@@ -189,12 +178,9 @@ def scale_by_onebit_adam(
             frozen = kind >= 1
             in_step_space = kind == 2
 
-        # In a compressed step known at trace time with no momentum mask, the mean is the new
-        # momentum (in the step's space from the first compressed step on): it falls back to
-        # the old one where it is not finite, inside the collective (OneBit decodes it straight
-        # into the leaves), instead of a select over it afterwards (a read of the mean and of
-        # mu, a write of mu: 7-11% of the phased step, MLP 4 x 2048^2). With one bucket that is
-        # the whole skip; with several, a bucket may fall back alone, so the select stays.
+        # Known compressed with no mask: the mean is the new momentum, and the collective falls
+        # back to the old one itself when not finite (no select pass over the tree). With one
+        # bucket that is the whole skip; with several, a bucket may fall back alone.
         mean_is_momentum = frozen is True and momentum_mask is None
         fallback_is_skip = (
             mean_is_momentum and floating_buckets(state.mu, compressor, bucket_bytes) <= 1
@@ -209,21 +195,16 @@ def scale_by_onebit_adam(
                 return fresh
             return jax.tree.map(lambda d, f: jnp.where(in_step_space, d, f), state.nu, fresh)
 
-        # Only the communication is in the lax.cond (the exact mean of the gradients during
-        # the warm-up, the 1-bit mean of the momentum after it), and whether its mean is finite
-        # (the compressed one from the collectives' guard, without another pass over the mean).
-        # The moments are updated after it, elementwise in their own (donated) buffers: a state
-        # that passes through a lax.cond is copied by XLA (handing it through one branch
-        # unchanged does not help: measured, v copied after the freeze).
+        # Only the communication is in the lax.cond; the moments are updated after it, in their
+        # own donated buffers (XLA copies a state that passes through a lax.cond).
         def warm(g, mu, comm):
             mean = exact_mean(g, axis_name, bucket_bytes)
             return mean, comm, all_finite(mean)
 
         def compress(g, mu, comm, in_step_space=False):
             if precondition:
-                # Compress the preconditioned momentum m / d (what the step applies; its
-                # magnitudes are even across coordinates, so one 1-bit scale fits them).
-                # In the step's space Adam's m is mu * d: the values are those of keeping m.
+                # Compress m / d, what the step applies: its magnitudes are even across
+                # coordinates, so one 1-bit scale fits them. In the step's space m is mu * d.
                 def local_step(m, x, d):
                     return (b1_ * jnp.where(in_step_space, m * d, m) + (1 - b1_) * x) / d
 
@@ -256,9 +237,8 @@ def scale_by_onebit_adam(
             state.nu,
             mean,
         )
-        # A non-finite mean gradient or momentum (NaN/Inf on any device) skips the step: the
-        # moments stay, the collectives' guard kept the error feedback, nothing moves. (The
-        # step is taken of the kept moments: taken of the new ones, XLA copied mu and nu.)
+        # A non-finite mean (NaN/Inf on any device) skips the step: moments and error feedback
+        # stay, nothing moves. The step is taken of the kept moments (else XLA copies mu, nu).
         mu = mu if fallback_is_skip else keep_if(ok, mu, state.mu)
         nu = keep_if(ok, nu, state.nu)
         comm = keep_error_feedback(ok, comm, state.comm, state.mu, compressor, bucket_bytes)
@@ -267,9 +247,7 @@ def scale_by_onebit_adam(
         elif frozen is True:
             step = jax.tree.map(lambda m: m / c1, mu)
         else:
-            # Divided by 1 after the freeze. Written as the warm-up's (m / c1) / denominator,
-            # with the same (traced) floor: other forms made the pmap and shard_map programs
-            # round the warm-up differently (tests/test_examples.py holds them bit for bit).
+            # Divided by 1 after the freeze; the warm-up's form (m / c1) / denominator.
             step = jax.tree.map(
                 lambda m, den: (m / c1) / jnp.where(frozen, one, den), mu, denominator(nu, frozen)
             )
@@ -316,9 +294,9 @@ def onebit_adam(
     update is ``-lr(count) * update`` in each parameter's dtype (apply it with
     ``optax.apply_updates``).
 
-    Safe defaults (measured on a byte-level transformer LM, ``benchmarks/convergence.py``, where
-    DeepSpeed's rules give +25% held-out loss and parameters of 1e3); ``deepspeed_compat=True``
-    restores DeepSpeed's rules exactly (tested against a NumPy model of them):
+    Safe defaults (chosen on a byte-level transformer LM, ``benchmarks/convergence.py``, where
+    DeepSpeed's rules diverge); ``deepspeed_compat=True`` restores DeepSpeed's rules exactly
+    (tested against a NumPy model of them):
 
     * **bias correction** (DeepSpeed has none): ``m / (1 - b1^t)``, ``v / (1 - b2^tv)``. Without
       it the variance frozen after ``T`` warm-up steps is ``1 - b2^T`` of its value (11% at
@@ -338,7 +316,7 @@ def onebit_adam(
       the moments from the first compressed step on (``state.mu = m / denom``, ``state.nu =
       denom``, ``state.preconditioned``): the mean is the new ``mu``, with no pass mapping it
       back. Adam's steps have even magnitudes across coordinates, momenta do not: one 1-bit
-      scale fits the first far better (measured: +9.9% -> -0.2% held-out loss vs Adam).
+      scale fits the first far better (see ``benchmarks/convergence.py``).
     * **non-finite steps are skipped**: if the mean gradient or momentum is not finite (a NaN
       or Inf on any device), nothing changes (moments kept; the collectives' guard keeps the
       error feedback) and ``state.skipped`` / ``skipped_total`` count it; after more than
@@ -375,8 +353,7 @@ def onebit_adam(
       deepspeed_compat: DeepSpeed's rules (no bias correction, floor or preconditioning).
       max_consecutive_skips: non-finite steps in a row before the error (``None``: never, and
         no host callback per step).
-      precondition: default ``not deepspeed_compat`` (see above; +9.9% -> -0.2% held-out
-        loss with it on the transformer LM).
+      precondition: default ``not deepspeed_compat`` (see above).
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxcomm as jc

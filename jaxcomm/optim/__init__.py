@@ -18,7 +18,8 @@ One module per optimizer family (the public names are re-exported by :mod:`jaxco
 * :mod:`~jaxcomm.optim.diloco`: DiLoCo and Streaming DiLoCo (its state: ``diloco_state``).
 * :mod:`~jaxcomm.optim.schedule`: the schedule's phases (``phase``, ``phase_cond``,
   ``phase_switch``), which a phase-specialised train step fixes per program.
-* ``_common``: validation and tree helpers shared by the above.
+* ``_skip`` (skipping a non-finite step), ``_moments`` (EMA, damped denominators) and
+  ``_common`` (validation, tree helpers): the pieces the optimizers share.
 
 Each transformation's ``update`` runs where the data-parallel axis is bound (inside
 ``jax.shard_map`` or ``jax.pmap``, e.g. via ``jc.make_train_step``) and takes **this device's

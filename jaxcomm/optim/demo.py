@@ -18,6 +18,7 @@ from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
 from jaxcomm.comm.state import per_device
+from jaxcomm.compressors import keep_if
 from jaxcomm.compressors.chunks import (
     ChunkPlan,
     chunk_plan,
@@ -29,15 +30,14 @@ from jaxcomm.compressors.chunks import (
 from jaxcomm.optim._common import (
     PyTree,
     cast_like,
-    check_skips,
     check_static_range,
     f32,
     is_static_zero,
-    keep_if,
     learning_rate_at,
     needs_params,
     zeros_f32,
 )
+from jaxcomm.optim._skip import count_skips
 
 _HIGHEST = lax.Precision.HIGHEST  # the DCT in true fp32 (no TF32 / bf16 passes on accelerators)
 
@@ -271,13 +271,14 @@ def demo(
             out = [o + decay * p for o, p in zip(out, flat_params, strict=True)]
         out = [jnp.where(ok, -o, jnp.zeros_like(o)) for o in out]
         mu = keep_if(ok, treedef.unflatten(new_mus), state.local.mu)
-        skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
-        check_skips(skipped, max_consecutive_skips, "demo")
+        skipped, skipped_total = count_skips(
+            ok, state.skipped, state.skipped_total, max_consecutive_skips, "demo"
+        )
         new_state = DemoState(
             jnp.where(ok, optax.safe_increment(state.count), state.count),
             DemoLocal(mu),
             skipped,
-            state.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32),
+            skipped_total,
         )
         like = updates if params is None else params
         return cast_like(treedef.unflatten(out), like), new_state

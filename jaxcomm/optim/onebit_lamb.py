@@ -16,21 +16,15 @@ import numpy as np
 import optax
 
 from jaxcomm.comm.state import ReduceState, init_state
-from jaxcomm.compressors import Compressor, OneBit
+from jaxcomm.compressors import Compressor, OneBit, keep_if
 from jaxcomm.optim._common import (
     PyTree,
-    all_finite,
     cast_like,
     check_compressor,
-    check_skips,
     check_static_range,
     compressed_mean_call,
-    damped_denominator,
-    ema,
     exact_mean,
     f32,
-    keep_error_feedback,
-    keep_if,
     learning_rate_at,
     norm,
     resolve_axis_size,
@@ -39,6 +33,8 @@ from jaxcomm.optim._common import (
     unzip,
     zeros_f32,
 )
+from jaxcomm.optim._moments import damped_denominator, ema
+from jaxcomm.optim._skip import all_finite, count_skips, keep_error_feedback, zeros_unless
 from jaxcomm.optim.schedule import phase, phase_cond, steady_below
 
 
@@ -144,33 +140,23 @@ def onebit_lamb(
     steps, so the tail carries the previous step's 1-bit output into the next scales).
 
     Safe defaults (``deepspeed_compat=True``: DeepSpeed's rules exactly; both rule sets are
-    tested against NumPy models): after the switch the denominator ``sqrt(v) + eps`` of the
-    update is floored as in :func:`jaxcomm.onebit_adam` (``variance_floor``: coordinates whose
-    frozen variance is ~0 would otherwise take ``m / eps`` steps), and so is the fresh
-    denominator ``sqrt(v_fresh) + eps`` of the correction factor: a coordinate that never gets a
-    gradient has ``v_fresh ~ 0`` too, so the elementwise maximum would sit at ``floor / eps``
-    and pin the factor at ``factor_max`` (measured, 384 steps, exact averaging, the two
-    options below on: parameters to 73 and +62% held-out loss vs exact LAMB without this,
-    max ``|p|`` 4.9 and +6.3% with it; 1-bit averaging with the defaults: +2.95% -> +2.5%). A
-    non-finite step is skipped (state kept, ``skipped``/``skipped_total`` count it; more than
-    ``max_consecutive_skips`` in a row raise).
+    tested against NumPy models), chosen on the byte-level transformer LM of
+    ``benchmarks/convergence.py`` (8 and 2 devices, 384-768 steps; the CHANGELOG has the
+    numbers): after the switch the denominator ``sqrt(v) + eps`` of the update is floored as in
+    :func:`jaxcomm.onebit_adam` (``variance_floor``: coordinates whose frozen variance is ~0
+    would otherwise take ``m / eps`` steps), and so is the fresh denominator ``sqrt(v_fresh) +
+    eps`` of the correction factor: a coordinate that never gets a gradient has ``v_fresh ~ 0``
+    too, so the elementwise maximum would sit at ``floor / eps`` and pin the factor at
+    ``factor_max``. A non-finite step is skipped (state kept, ``skipped``/``skipped_total``
+    count it; more than ``max_consecutive_skips`` in a row raise).
 
-    Options, off by default because they did not help here (384 steps, 8 devices, 15%
-    warm-up, measured before the fresh-denominator floor, against +2.95% then):
-    ``bias_correction`` (``m / (1 - b1^t)``, ``v / (1 - b2^min(t, freeze_step))``, ``v_fresh /
-    (1 - b2^t)``; LAMB's trust ratio cancels scalar corrections during the warm-up and the
-    frozen coefficient is calibrated on the uncorrected update: +3.9%) and ``precondition``
-    (the 1-bit mean carries the local momenta divided by the frozen denominator, mapped back
-    by it, instead of DeepSpeed's per-leaf scaling coefficients: +3.4%). Tried and dropped:
-    the live trust ratio ``||p|| / ||u||`` of the 1-bit mean (its norm is the 1-bit scale's,
-    not the update's: +8%, 384 steps), the frozen ``1 / ||u||`` times the live ``||p||`` (+15%, 5%
-    warm-up).
-
-    Measured with these defaults (``benchmarks/convergence.py``, 768 steps, exact LAMB the
-    baseline): a 15% warm-up +0.68% (8 devices), -0.31% (second seed), -0.95% (2 devices);
-    a 5% warm-up +5.8%, +5.6% (8 devices), +4.1% (2 devices): the cost of freezing the trust
-    ratio and the variance early. Largest ``|param|`` 0.72x to 1.01x exact LAMB's, nothing
-    non-finite. Keep ``freeze_step`` near 15% of the run.
+    Options, off by default because they did not help on that task: ``bias_correction`` (``m /
+    (1 - b1^t)``, ``v / (1 - b2^min(t, freeze_step))``, ``v_fresh / (1 - b2^t)``; LAMB's trust
+    ratio cancels scalar corrections during the warm-up and the frozen coefficient is
+    calibrated on the uncorrected update) and ``precondition`` (the 1-bit mean carries the local
+    momenta divided by the frozen denominator, mapped back by it, instead of DeepSpeed's
+    per-leaf scaling coefficients). Keep ``freeze_step`` near 15% of the run: freezing the
+    trust ratio and the variance earlier costs loss.
 
     Args:
       learning_rate: a float or an optax schedule of the step count.
@@ -199,7 +185,7 @@ def onebit_lamb(
     compressor = OneBit() if compressor is None else compressor
     check_compressor(compressor)
     floor = None if deepspeed_compat else variance_floor
-    # Both off by default: measured, neither helps 1-bit LAMB (see the docstring).
+    # Both off by default (see the docstring).
     bias_correction = bool(bias_correction)
     precondition = bool(precondition)
     bucket_bytes = static_bucket_bytes(bucket_bytes)
@@ -355,8 +341,9 @@ def onebit_lamb(
         # A non-finite step (NaN/Inf in any device's gradient reaches the mean) is skipped:
         # moments, coefficients and factors stay, the collectives' guard kept the error feedback.
         ok = all_finite(mu, nu, nu_fresh, delta)
-        skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
-        check_skips(skipped, max_consecutive_skips, "onebit_lamb")
+        skipped, skipped_total = count_skips(
+            ok, state.skipped, state.skipped_total, max_consecutive_skips, "onebit_lamb"
+        )
         candidate = OneBitLambState(
             count=t,
             mu=mu,
@@ -367,7 +354,7 @@ def onebit_lamb(
             scaling_coeff=scaling,
             comm=comm,
             skipped=skipped,
-            skipped_total=state.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32),
+            skipped_total=skipped_total,
         )
         comm = keep_error_feedback(ok, comm, state.comm, state.mu, compressor, bucket_bytes)
         candidate = candidate._replace(comm=comm)
@@ -375,8 +362,7 @@ def onebit_lamb(
             comm=comm, skipped=candidate.skipped, skipped_total=candidate.skipped_total
         )
         new_state = keep_if(ok, candidate, old)
-        delta = jax.tree.map(lambda d: jnp.where(ok, d, jnp.zeros_like(d)), delta)
-        return cast_like(delta, params), new_state
+        return cast_like(zeros_unless(ok, delta), params), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
 

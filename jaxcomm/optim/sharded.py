@@ -53,22 +53,16 @@ import optax
 from jax import lax
 from jax.extend.core import Var
 
-from jaxcomm._compat import bound_axis_size, ensure_varying
+from jaxcomm._compat import bound_axis_size
 from jaxcomm.comm.scatter_gather import (
     compressed_all_gather,
     compressed_pmean_scatter,
     shard_shapes,
 )
 from jaxcomm.comm.state import ScatterState, init_state, per_device
-from jaxcomm.compressors import Compressor, NoCompression
-from jaxcomm.optim._common import (
-    all_finite,
-    check_compressor,
-    check_skips,
-    keep_if,
-    resolve_axis_size,
-    static_bucket_bytes,
-)
+from jaxcomm.compressors import Compressor, NoCompression, keep_if
+from jaxcomm.optim._common import check_compressor, resolve_axis_size, static_bucket_bytes
+from jaxcomm.optim._skip import all_finite, count_skips, on_every_device, zeros_unless
 
 PyTree = Any
 
@@ -250,18 +244,16 @@ def sharded(
         # A non-finite mean gradient or update on any device skips the step on every device
         # (one int32 pmin): the inner state and the master shards stay, nothing moves; the
         # collectives' guard kept the error feedback.
-        ok = all_finite(shard_updates, inner)
-        ok = lax.pmin(ensure_varying(ok.astype(jnp.int32), axis_name), axis_name) > 0
+        ok = on_every_device(all_finite(shard_updates, inner), axis_name)
         inner = keep_if(ok, inner, state.inner)
         # The scatter's guard is per device: devices whose own shard of the mean was finite
         # advanced their error feedback; a skipped step must leave it on every device.
         comm = keep_if(ok, comm, state.comm)
         if keep_master:
             master = keep_if(ok, master, MasterShards(own, valid))
-        delta = jax.tree.map(lambda d: jnp.where(ok, d, jnp.zeros_like(d)), delta)
-        skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
-        total = state.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32)
-        check_skips(skipped, max_consecutive_skips, "sharded")
-        return delta, ShardedState(inner, comm, master, skipped, total)
+        skipped, total = count_skips(
+            ok, state.skipped, state.skipped_total, max_consecutive_skips, "sharded"
+        )
+        return zeros_unless(ok, delta), ShardedState(inner, comm, master, skipped, total)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,218 @@
+"""One update of 0/1 Adam (:func:`jaxcomm.optim.zero_one_adam.zero_one_adam`) besides its state:
+the four kinds of step (variance update, 1-bit momentum, local step, synchronisation), the
+communication each needs and DeepSpeed's interval policies."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcomm._compat import ensure_varying
+from jaxcomm.compressors import Compressor
+from jaxcomm.optim._common import PyTree, compressed_mean_call, exact_mean
+from jaxcomm.optim._moments import damped_denominator, ema
+from jaxcomm.optim._skip import all_finite, mean_finite
+from jaxcomm.optim.schedule import phase_switch
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroOneStep:
+    """What one traced update of 0/1 Adam needs besides the state (constants of the trace)."""
+
+    b1: jax.Array
+    b2: jax.Array
+    b2_var: jax.Array  # decay of one variance update: b2, or b2^var_interval (interval-weighted)
+    eps: jax.Array
+    wd: jax.Array
+    lr: jax.Array
+    t: jax.Array
+    var_freeze_step: int | jax.Array
+    c1: jax.Array  # bias corrections of m and v (1.0 under deepspeed_compat)
+    c2: jax.Array
+    floor: float | None
+    precondition: bool
+    compress_momentum: bool
+    params: PyTree | None
+    axis_name: str
+    compressor: Compressor
+    bucket_bytes: int | None
+
+    def denom(self, v: jax.Array) -> jax.Array:
+        """``sqrt(v_hat) + eps``, damped where ``v`` is (near) zero (``variance_floor``)."""
+        return damped_denominator(v, self.eps, self.floor, scale=self.c2)
+
+    def leaf_step(self, m: jax.Array, den: jax.Array, p: jax.Array | None) -> jax.Array:
+        """``lr * (m_hat / den + wd * p)`` for one leaf (before the sign)."""
+        update = (m / self.c1) / den
+        if p is not None:
+            update = update + self.wd * p
+        return self.lr * update
+
+    def params_or_none(self, like: PyTree) -> PyTree:
+        """The fp32 parameters, or a ``None`` per leaf of ``like`` (no weight decay)."""
+        if self.params is not None:
+            return self.params
+        return jax.tree.map(lambda _: None, like)
+
+    def adam_step(self, mu: PyTree, nu: PyTree) -> PyTree:
+        """``lr * (m_hat / denom(v) + wd * p)`` per leaf (before the sign)."""
+        return jax.tree.map(
+            lambda m, v, p: self.leaf_step(m, self.denom(v), p), mu, nu, self.params_or_none(mu)
+        )
+
+    def onebit_mean(self, tree, comm):
+        """The 1-bit mean, the new error feedback and whether the mean is finite (from the
+        collectives' guard: no pass over the mean, see ``mean_finite``; typed as varying: the
+        step takes one pmin of it with the gradients' flag)."""
+        mean, new = compressed_mean_call(
+            tree, comm, self.axis_name, self.compressor, self.bucket_bytes
+        )
+        return mean, new, mean_finite(mean, comm, new, self.axis_name, replicated=False)
+
+    def local_accumulated(self, g, mu, nu, u):
+        """``(m_local, step, u - step)`` of a frozen-stage step on this device's gradient."""
+        m_local = ema(mu, g, self.b1)
+        step = self.adam_step(m_local, nu)
+        return m_local, step, jax.tree.map(lambda a, s: a - s, u, step)
+
+    def communicate(self, kind, g, mu, nu, u, comm):
+        """The mean each kind of step needs, the new error feedback and whether the mean is
+        finite (``lax.switch``).
+
+        Only the communication is in the switch: state that passes through a ``lax.cond`` or
+        ``lax.switch`` and is read after it is copied by XLA in every branch, so the moments,
+        the accumulated updates and the parameters are updated after it (:meth:`apply_leaf`),
+        elementwise in their own buffers. A local step (kind 2) sends nothing and returns
+        zeros.
+        """
+
+        def var_update(g, mu, nu, u, comm):
+            """Variance stage, ``t % var_interval == 0``: the exact mean gradient."""
+            mean = exact_mean(g, self.axis_name, self.bucket_bytes)
+            return mean, comm, ensure_varying(all_finite(mean), self.axis_name)
+
+        def onebit_momentum(g, mu, nu, u, comm):
+            """Variance stage, other steps: the 1-bit mean of the gradients, or with
+            ``compress_momentum`` of the local momenta ``b1 m + (1-b1) g_r`` (divided by the
+            denominator with ``precondition``)."""
+            x = ema(mu, g, self.b1) if self.compress_momentum else g
+            if self.precondition:
+                x = jax.tree.map(lambda a, d: a / d, x, self.denoms(nu))
+            return self.onebit_mean(x, comm)
+
+        def local_step(g, mu, nu, u, comm):
+            """Frozen stage, no synchronisation: nothing to send (zeros, replicated like the
+            means of the other kinds)."""
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), g)
+            return zeros, comm, ensure_varying(jnp.bool_(True), self.axis_name)
+
+        def local_step_sync(g, mu, nu, u, comm):
+            """Frozen stage, ``t % local_interval == 0``: the 1-bit mean of the accumulated
+            updates (times the denominator unless ``precondition``)."""
+            _, _, u = self.local_accumulated(g, mu, nu, u)
+            # Zero the error feedback at the variance freeze (the first frozen step is always
+            # a synchronisation: local_interval is still 1 then).
+            first = self.t == self.var_freeze_step + 1
+            comm = jax.tree.map(lambda e: jnp.where(first, jnp.zeros_like(e), e), comm)
+            if not self.precondition:  # DeepSpeed compresses u * denom
+                u = jax.tree.map(lambda a, d: a * d, u, self.denoms(nu))
+            return self.onebit_mean(u, comm)
+
+        def shaped_like_g(branch):
+            """The branch, its mean shaped like the gradients (a mean of blocks is blocks)."""
+
+            def run(g, mu, nu, u, comm):
+                mean, comm, ok = branch(g, mu, nu, u, comm)
+                return jax.tree.map(lambda m, x: m.reshape(x.shape), mean, g), comm, ok
+
+            return run
+
+        branches = (var_update, onebit_momentum, local_step, local_step_sync)
+        branches = tuple(shaped_like_g(b) for b in branches)
+        return phase_switch(kind, branches, g, mu, nu, u, comm)
+
+    def denoms(self, nu: PyTree) -> PyTree:
+        return jax.tree.map(self.denom, nu)
+
+    def apply_leaf(self, kind, ok, g, mu, nu_new, u, mean, p, lrs_sync):
+        """One leaf's new ``(m, u, delta)`` for the kind of step (``ok`` false: ``m``, ``u`` kept,
+        ``delta = 0``). ``nu_new`` is the variance after this step, ``mean`` the switch's.
+        ``m`` and ``u`` keep their layout (blocks or not), ``delta`` is shaped like ``g``."""
+        m, u_, delta = self._apply_leaf(kind, ok, g, mu, nu_new, u, mean, p, lrs_sync)
+        return m, u_, delta.reshape(g.shape)
+
+    def _apply_leaf(self, kind, ok, g, mu, nu_new, u, mean, p, lrs_sync):
+        den = self.denom(nu_new)
+
+        def step_of(m):
+            return self.leaf_step(m, den, p)
+
+        if isinstance(kind, int) and kind == 2:  # a phase-specialised local step
+            # The new m is written over the old in place and the step read from it (the
+            # barrier orders the two): a step that read the old m besides would make XLA copy m.
+            new_m = lax.optimization_barrier(jnp.where(ok, ema(mu, g, self.b1), mu))
+            step = step_of(new_m)
+            return new_m, jnp.where(ok, u - step, u), jnp.where(ok, -step, jnp.zeros_like(step))
+
+        # Kind 0, variance update: the exact mean gradient updates m (and v, before this).
+        m_var = ema(mu, mean, self.b1)
+        # Kind 1, 1-bit momentum: the mean (mapped back by the denominator) is m, or updates it.
+        mapped = mean * den if self.precondition else mean
+        m_onebit = mapped if self.compress_momentum else ema(mu, mapped, self.b1)
+        # Kinds 2 and 3: the local step on this device's gradient, accumulated in u.
+        m_local = ema(mu, g, self.b1)
+        step = step_of(m_local)
+        u_acc = u - step
+        # Kind 3, synchronisation: the mean accumulated update replaces the local ones; its
+        # momentum-space mean is of m_hat = m / c1, so times c1 it is m (DeepSpeed: c1 = 1).
+        # p + delta = (p - lr*update) - u + avg / denom, DeepSpeed's order of the three terms.
+        avg = mapped
+        m_sync = -avg / lrs_sync * self.c1
+        sync_delta = (-step - u_acc) + avg / den
+
+        new_m = by_kind(kind, (m_var, m_onebit, m_local, m_sync))
+        new_u = by_kind(kind, (u, u, u_acc, jnp.zeros_like(u)))
+        delta = by_kind(kind, (-step_of(m_var), -step_of(m_onebit), -step, sync_delta))
+        return (
+            jnp.where(ok, new_m, mu),
+            jnp.where(ok, new_u, u),
+            jnp.where(ok, delta, jnp.zeros_like(delta)),
+        )
+
+
+def by_kind(kind: jax.Array, values) -> jax.Array:
+    """``values[kind]`` elementwise (kind a traced int32 scalar in ``[0, len(values))``, or a
+    Python int in a phase-specialised step: then the other values are dead code)."""
+    if isinstance(kind, int):
+        return values[kind]
+    out = values[-1]
+    for i in range(len(values) - 2, -1, -1):
+        out = jnp.where(kind == i, values[i], out)
+    return out
+
+
+def intervals(state, t, frozen, var_step, scalers) -> dict:
+    """DeepSpeed's interval policies (of a ``ZeroOneAdamState``), applied after the update."""
+    var_update_scaler, local_step_scaler, local_step_clipper = scalers
+    var_counted = jnp.logical_and(~frozen, var_step)
+    var_counter = jnp.where(var_counted, state.var_counter + 1, state.var_counter)
+    var_doubles = var_counter == var_update_scaler
+    var_counter = jnp.where(var_doubles, 0, var_counter).astype(jnp.int32)
+    var_interval = jnp.where(var_doubles, state.var_interval * 2, state.var_interval)
+    local_counter = jnp.where(frozen, state.local_counter + 1, state.local_counter)
+    local_doubles = local_counter == local_step_scaler
+    local_counter = jnp.where(local_doubles, 0, local_counter).astype(jnp.int32)
+    local_interval = jnp.where(
+        local_doubles,
+        jnp.minimum(local_step_clipper, state.local_interval * 2),
+        state.local_interval,
+    )
+    return dict(
+        var_interval=var_interval.astype(jnp.int32),
+        var_counter=var_counter,
+        local_interval=local_interval.astype(jnp.int32),
+        local_counter=local_counter,
+    )

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxcomm.cli import demo, demo_report
+from jaxcomm.cli import demo, demo_readme, demo_report
 
 STEPS, WARM = 60, 20
 PER_KIND = {demo.EXACT: 2.0e6, demo.ONEBIT: 6.0e4, demo.LOCAL: 0.0, demo.SHARDED_INT8: 5.0e5}
@@ -154,7 +154,7 @@ def test_demo_command_json_on_stdout_report_on_stderr_files_in_out(tmp_path, cap
 def test_markdown_table_for_the_readme_comes_from_the_json(runs):
     rows = list(rows_of(runs).values())
     doc = json.loads(json.dumps(demo_report.json_safe(dict(rows=rows))))
-    lines = demo_report.markdown_table(doc).splitlines()
+    lines = demo_readme.markdown_table(doc).splitlines()
     assert len(lines) == 2 + len(rows)
     adam, cm, onebit, _ = lines[2:]
     assert adam.startswith("| Adam, exact `pmean` | 2.0847 |  | 50.0% | 120.0 MB | 1x |")

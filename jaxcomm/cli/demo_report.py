@@ -122,7 +122,7 @@ def _likely_cause(method: str, step: int, warmup_steps: int | None) -> str:
     return f"{after} steps after the switch to compressed communication at step {warmup_steps}"
 
 
-def _human(nbytes: float) -> str:
+def human_bytes(nbytes: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(nbytes) < 1000 or unit == "TB":
             return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes:.0f} B"
@@ -130,7 +130,7 @@ def _human(nbytes: float) -> str:
     return str(nbytes)
 
 
-def _loss(x: float | None) -> str:
+def loss_text(x: float | None) -> str:
     if x is None or not math.isfinite(x):
         return "nan" if x is None or math.isnan(x) else str(x)
     return f"{x:.4f}" if abs(x) < 1e4 else f"{x:.3g}"
@@ -208,10 +208,10 @@ def format_report(
             traffic = "-" if tr is None else f"{tr:.1f}x less"
         quality.append((
             r["method"],
-            _loss(r["eval_loss"]),
+            loss_text(r["eval_loss"]),
             rel,
             f"{100 * r['accuracy']:.1f}%" if _finite(r["accuracy"]) else "-",
-            _human(r["total_bytes"]),
+            human_bytes(r["total_bytes"]),
             traffic,
         ))
     out += _table(
@@ -229,7 +229,7 @@ def format_report(
         link.append((
             r["method"],
             kinds,
-            _human(r["bytes_per_step"]),
+            human_bytes(r["bytes_per_step"]),
             _seconds(r["comm_s_1gbit"]),
             _seconds(r["comm_s_10gbit"]),
             _seconds(r["comm_s_100gbit"]),
@@ -243,10 +243,10 @@ def format_report(
     out += [
         "",
         f"Bytes per device per step, from the compiled HLO: exact mean "
-        f"{_human(bytes_per_kind[exact])}, 1-bit mean {_human(bytes_per_kind[onebit])} "
+        f"{human_bytes(bytes_per_kind[exact])}, 1-bit mean {human_bytes(bytes_per_kind[onebit])} "
         f"({bytes_per_kind[exact] / bytes_per_kind[onebit]:.1f}x less)"
         + "".join(
-            f", {kind} {_human(b)} ({bytes_per_kind[exact] / b:.1f}x less)"
+            f", {kind} {human_bytes(b)} ({bytes_per_kind[exact] / b:.1f}x less)"
             for kind, b in bytes_per_kind.items()
             if b and kind not in (exact, onebit, local) and any(r["steps"].get(kind) for r in rows)
         )
@@ -359,50 +359,3 @@ def plot(results: Sequence, bytes_per_kind: dict[str, float], path: str, *,
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return notes, ylim
-
-
-#: README labels of the demo's methods (others are shown by name).
-LABELS = {
-    "adam": "Adam, exact `pmean`",
-    "compressed_mean": "`compressed_mean` (1-bit, EF) + Adam",
-    "onebit_adam": "1-bit Adam (`onebit_adam`)",
-    "zero_one_adam": "0/1 Adam (`zero_one_adam`)",
-    "onebit_lamb": "1-bit LAMB (`onebit_lamb`)",
-    "diloco_int4": "DiLoCo H=50, int4 + EF outer gradients (`diloco`)",
-    "sharded_int8": "`jc.sharded` Adam, int8 grads + int8 weights",
-}
-
-
-def markdown_table(doc: dict[str, Any]) -> str:
-    """The README's demo table from a ``jaxcomm demo --json`` document (so it is never typed)."""
-    lines = [
-        "| optimizer | held-out loss | vs Adam | accuracy | total bytes / device "
-        "| traffic vs Adam | comm @ 1 Gbit/s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in doc["rows"]:
-        label = LABELS.get(r["method"], f"`{r['method']}`")
-        if r.get("diverged"):
-            rel, traffic = f"diverged at step {r['diverged']['step']}", "-"
-        elif r.get("baseline"):
-            rel, traffic = "", "1x"
-        else:
-            rel = "" if r.get("loss_vs_adam") is None else f"{100 * r['loss_vs_adam']:+.1f}%"
-            tr = r.get("traffic_ratio")
-            traffic = "-" if tr is None else f"{tr:.1f}x less"
-        acc = "-" if r.get("accuracy") is None else f"{100 * r['accuracy']:.1f}%"
-        lines.append(
-            f"| {label} | {_loss(r['eval_loss'])} | {rel} | {acc} | {_human(r['total_bytes'])} "
-            f"| {traffic} | {r['comm_s_1gbit']:.1f} s |"
-        )
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":  # python -m jaxcomm.cli.demo_report runs/demo.json
-    import json
-    import sys
-
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m jaxcomm.cli.demo_report DEMO_JSON  (from jaxcomm demo --json)")
-    with open(sys.argv[1]) as f:
-        print(markdown_table(json.load(f)))

@@ -69,7 +69,7 @@ def provenance(doc: dict) -> dict[str, str]:
         "jax": doc.get("jax", versions.get("jax", MISSING)),
         "machine": ", ".join([cpu if cpu else f"CPU model {MISSING}",
                               f"{cores} cores" if cores else f"cores {MISSING}"]),
-        "date": doc.get("date", MISSING)[:10],
+        "date": doc["date"][:10] if doc.get("date") else MISSING,
         "commit": f"`{doc['commit'][:12]}`" if doc.get("commit") else MISSING,
         "note": doc.get("note", ""),
     }

@@ -129,6 +129,6 @@ def test_demo_without_the_examples_extra_says_what_to_install(capsys, monkeypatc
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert main(["demo", "--steps", "2"]) == 2
     err = capsys.readouterr().err
-    assert "needs matplotlib" in err and "pip install 'jaxcomm[examples]'" in err
+    assert "needs matplotlib" in err and "pip install 'jaxcomm[cli]'" in err
     assert "--plot ''" in err  # the way to run without it
     assert "Traceback" not in err and "ModuleNotFoundError" not in err

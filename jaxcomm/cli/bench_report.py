@@ -169,7 +169,7 @@ def plot_rows(rows: Sequence[BenchRow], path: str, where: str | None = None) -> 
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise RuntimeError(
-            "jaxcomm bench --plot needs matplotlib: pip install 'jaxcomm[examples]' "
+            "jaxcomm bench --plot needs matplotlib: pip install 'jaxcomm[cli]' "
             "(or pip install matplotlib)"
         ) from e
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator

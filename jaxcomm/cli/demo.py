@@ -114,6 +114,13 @@ def train(
     return result
 
 
+def _bar(disable: bool):
+    from rich.console import Console
+    from rich.progress import Progress
+
+    return Progress(disable=disable, console=Console(stderr=True))
+
+
 def _advance(bar, task, k: int, loss: float) -> None:
     bar.advance(task, k)
 
@@ -199,10 +206,11 @@ def run(
     ``out_dir`` (created if missing) also receives ``demo.json``. The progress bar goes to
     stderr on a terminal; otherwise plain progress lines go where the report goes.
     """
+    import importlib.util
+    from contextlib import nullcontext
+
     import jax
     from jax.sharding import AxisType
-    from rich.console import Console
-    from rich.progress import Progress
 
     from jaxcomm.cli import demo_report
     from jaxcomm.cli.models import ByteBatches
@@ -219,15 +227,16 @@ def run(
     results = []
     human = sys.stderr if json_path == "-" else sys.stdout
     # rich's bar draws only on a terminal: elsewhere (CI logs, nohup, | tee) plain lines.
-    plain = lead and not (is_terminal(human) and is_terminal(sys.stderr))
-    with Progress(disable=not lead or plain, console=Console(stderr=True)) as bar:
+    has_rich = importlib.util.find_spec("rich") is not None  # the 'cli' extra
+    plain = lead and not (has_rich and is_terminal(human) and is_terminal(sys.stderr))
+    with _bar(disable=not lead or plain) if has_rich else nullcontext() as bar:
         for method in cfg.methods:
+            progress = None
             if plain:
-                log = StepLog(f"demo {method}", cfg.steps, stream=human)
-                results.append(train(method, cfg, mesh, data, log.step))
-                continue
-            task = bar.add_task(f"{method:>16}", total=cfg.steps)
-            results.append(train(method, cfg, mesh, data, partial(_advance, bar, task)))
+                progress = StepLog(f"demo {method}", cfg.steps, stream=human).step
+            elif bar is not None:
+                progress = partial(_advance, bar, bar.add_task(f"{method:>16}", total=cfg.steps))
+            results.append(train(method, cfg, mesh, data, progress))
     params = make_model(cfg).init(cfg.seed)
     bytes_per_kind = wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes, cfg.methods)
     rows = summarize(results, bytes_per_kind, cfg.warmup_steps)
@@ -337,8 +346,8 @@ def missing_extra(plot: bool) -> str | None:
     if found:
         return None
     return (
-        "jaxcomm demo needs matplotlib for its plot (the 'examples' extra): "
-        "pip install 'jaxcomm[examples]' (or pass --plot '' to skip the plot)"
+        "jaxcomm demo needs matplotlib for its plot (the 'cli' extra): "
+        "pip install 'jaxcomm[cli]' (or pass --plot '' to skip the plot)"
     )
 
 

@@ -95,7 +95,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             print(
-                "jaxcomm bench: --plot needs matplotlib: pip install 'jaxcomm[examples]' "
+                "jaxcomm bench: --plot needs matplotlib: pip install 'jaxcomm[cli]' "
                 "(or pip install matplotlib)",
                 file=sys.stderr,
             )
@@ -308,8 +308,8 @@ def _add_demo(sub) -> None:
         "standard-library source) data-parallel on simulated CPU devices with each optimizer "
         "of --methods (exact Adam is the baseline); print held-out loss, accuracy and bytes on "
         "the wire (from the compiled HLO), say which runs diverged and why, and plot held-out "
-        "loss against steps and bytes. The plot needs the 'examples' extra (pip install "
-        "'jaxcomm[examples]').",
+        "loss against steps and bytes. The plot needs the 'cli' extra (pip install "
+        "'jaxcomm[cli]').",
     )
 
     def run(args):

@@ -3,18 +3,19 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo run test test-fast lint bench examples docs clean
+.PHONY: venv demo run test test-fast lint typecheck wheel bench examples docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,examples]"
+	$(PY) -m pip install -q -e ".[dev,cli,examples]"
 	touch $@
 
 venv: $(VENV)/.installed
 
+PYTEST_ARGS ?=
 test: venv
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # The inner loop (a few minutes): layering, the README, placement and phases, wire-byte parsing.
 test-fast: venv
@@ -34,7 +35,17 @@ test-aot: $(TPU_VENV)/.installed
 		$(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_aot_tpu.py
 
 lint: venv
-	$(VENV)/bin/ruff check jaxcomm tests benchmarks examples
+	$(VENV)/bin/ruff check jaxcomm tests benchmarks examples .ci
+
+typecheck: venv
+	$(VENV)/bin/mypy
+
+# The sdist and wheel as pip builds them, their metadata checked (twine; .ci/check_wheel.py).
+wheel: venv
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
+	$(PY) .ci/check_wheel.py dist/*.whl
 
 demo: venv
 	$(VENV)/bin/jaxcomm demo

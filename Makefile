@@ -13,9 +13,12 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# Two pytest workers, each running whole test files (tests share compiled programs through
+# module fixtures); WORKERS=0 runs in one process.
+WORKERS ?= 2
 PYTEST_ARGS ?=
 test: venv
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The inner loop (a few minutes): layering, the README, placement and phases, wire-byte parsing.
 test-fast: venv

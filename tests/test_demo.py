@@ -11,6 +11,7 @@ import jax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 from jaxcomm.cli import demo, demo_methods, demo_report  # noqa: E402
+from jaxcomm.cli.demo_methods import DILOCO_INT4, EXACT, LOCAL, ONEBIT  # noqa: E402
 from jaxcomm.cli.models import ByteBatches  # noqa: E402
 
 
@@ -20,14 +21,14 @@ def zero_one_schedule(steps, freeze, var_scaler, local_scaler, clipper):
     for t in range(1, steps + 1):
         if t <= freeze:
             if t % var_interval == 0:
-                kinds.append(demo.EXACT)
+                kinds.append(EXACT)
                 var_counter += 1
                 if var_counter == var_scaler:
                     var_counter, var_interval = 0, var_interval * 2
             else:
-                kinds.append(demo.ONEBIT)
+                kinds.append(ONEBIT)
         else:
-            kinds.append(demo.ONEBIT if t % local_interval == 0 else demo.LOCAL)
+            kinds.append(ONEBIT if t % local_interval == 0 else LOCAL)
             local_counter += 1
             if local_counter == local_scaler:
                 local_counter, local_interval = 0, min(clipper, local_interval * 2)
@@ -36,7 +37,7 @@ def zero_one_schedule(steps, freeze, var_scaler, local_scaler, clipper):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    cfg = demo.DemoConfig(
+    cfg = demo_methods.DemoConfig(
         steps=24,
         batch_per_device=4,
         width=32,
@@ -53,31 +54,31 @@ def tiny_run(tmp_path_factory):
     mesh = jax.make_mesh((8,), ("dp",), axis_types=(AxisType.Auto,))
     data = ByteBatches.from_corpus(context=cfg.context)
     results = [demo.train(m, cfg, mesh, data) for m in cfg.methods]
-    params = demo.make_model(cfg).init(cfg.seed)
-    per_kind = demo.wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes, cfg.methods)
+    params = demo_methods.make_model(cfg).init(cfg.seed)
+    per_kind = demo_methods.wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes, cfg.methods)
     numel = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
     return cfg, results, per_kind, numel
 
 
 def test_wire_bytes_per_kind_follow_the_ring_model(tiny_run):
     _, _, per_kind, numel = tiny_run
-    assert per_kind[demo.EXACT] == pytest.approx(2 * 7 / 8 * 4 * numel, rel=1e-6)
-    assert per_kind[demo.EXACT] / per_kind[demo.ONEBIT] > 25
+    assert per_kind[EXACT] == pytest.approx(2 * 7 / 8 * 4 * numel, rel=1e-6)
+    assert per_kind[EXACT] / per_kind[ONEBIT] > 25
     # int4 codes (+ fp32 scales): a little under 8x less than fp32.
-    assert 6 < per_kind[demo.EXACT] / per_kind[demo.DILOCO_INT4] < 8
-    assert per_kind[demo.LOCAL] == 0
+    assert 6 < per_kind[EXACT] / per_kind[DILOCO_INT4] < 8
+    assert per_kind[LOCAL] == 0
 
 
 def test_step_kinds_follow_each_optimizer_schedule(tiny_run):
     cfg, results, _, _ = tiny_run
     runs = {r.method: r for r in results}
     warm = cfg.warmup_steps
-    assert runs["adam"].kinds == [demo.EXACT] * cfg.steps
-    assert runs["onebit_adam"].kinds == [demo.EXACT] * warm + [demo.ONEBIT] * (cfg.steps - warm)
+    assert runs["adam"].kinds == [EXACT] * cfg.steps
+    assert runs["onebit_adam"].kinds == [EXACT] * warm + [ONEBIT] * (cfg.steps - warm)
     expected = zero_one_schedule(cfg.steps, warm, 8, 2, 4)
     assert runs["zero_one_adam"].kinds == expected
-    assert demo.LOCAL in expected  # the tiny schedule reaches local steps
-    syncs = [demo.DILOCO_INT4 if t % 10 == 0 else demo.LOCAL for t in range(1, cfg.steps + 1)]
+    assert LOCAL in expected  # the tiny schedule reaches local steps
+    syncs = [DILOCO_INT4 if t % 10 == 0 else LOCAL for t in range(1, cfg.steps + 1)]
     assert runs["diloco_int4"].kinds == syncs
 
 
@@ -90,10 +91,12 @@ def test_diloco_is_evaluated_on_its_outer_parameters():
     sync; 0/1 Adam's (per device, no theta) is the devices' average."""
     import jaxcomm as jc
 
-    cfg = demo.DemoConfig(steps=6, batch_per_device=2, width=32, layers=1, diloco_sync_every=4)
+    cfg = demo_methods.DemoConfig(
+        steps=6, batch_per_device=2, width=32, layers=1, diloco_sync_every=4
+    )
     mesh = jax.make_mesh((8,), ("dp",), axis_types=(AxisType.Auto,))
     data = ByteBatches.from_corpus(context=cfg.context)
-    model = demo.make_model(cfg)
+    model = demo_methods.make_model(cfg)
     tx, _ = demo_methods.optimizer_for("diloco_int4", cfg, "dp")
     step, state = jc.make_train_step(mesh, "dp", model.loss, tx, model.init(cfg.seed))
     rng = np.random.default_rng(0)
@@ -120,7 +123,7 @@ def test_training_learns_and_the_table_adds_up(tiny_run, tmp_path):
         assert np.all(np.isfinite(r.losses)), r.method
         # Better than a uniform guess over the 256 byte values.
         assert r.final_eval_loss < np.log(256), r.method
-    rows = {row["method"]: row for row in demo.summarize(results, per_kind)}
+    rows = {row["method"]: row for row in demo_report.summarize(results, per_kind)}
     for r in results:
         kinds = r.kinds + r.final_kinds
         expected = sum(per_kind[k] for k in kinds)
@@ -129,15 +132,15 @@ def test_training_learns_and_the_table_adds_up(tiny_run, tmp_path):
     assert rows["onebit_adam"]["traffic_ratio"] > 1.5
     # DiLoCo: 2 int4 syncs, evaluated on its outer parameters (no final average charged).
     assert runs_final_kinds(results, "diloco_int4") == []
-    assert rows["diloco_int4"]["total_bytes"] == pytest.approx(2 * per_kind[demo.DILOCO_INT4])
-    assert rows["diloco_int4"]["steps"][demo.DILOCO_INT4] == 2
+    assert rows["diloco_int4"]["total_bytes"] == pytest.approx(2 * per_kind[DILOCO_INT4])
+    assert rows["diloco_int4"]["steps"][DILOCO_INT4] == 2
     assert rows["diloco_int4"]["traffic_ratio"] > 50
     text = demo_report.format_report(
         list(rows.values()), per_kind, devices=8, steps=cfg.steps, warmup_steps=cfg.warmup_steps
     )
     assert "byte-level transformer" in text and "int4 sync" in text
     path = tmp_path / "demo.png"
-    demo.plot(results, per_kind, str(path))
+    demo_report.plot(results, per_kind, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -184,7 +187,7 @@ def test_demo_under_jax_distributed_matches_one_process(tmp_path):
         assert re.search(line, result.output), result.output[-3000:]
     assert "[rank 1] demo" not in result.output
 
-    cfg = demo.DemoConfig(
+    cfg = demo_methods.DemoConfig(
         steps=6, batch_per_device=2, warmup_fraction=0.5, methods=("adam", "onebit_adam")
     )
     mesh = jax.make_mesh((8,), ("dp",), axis_types=(AxisType.Auto,))

@@ -6,14 +6,15 @@ import math
 import numpy as np
 import pytest
 
-from jaxcomm.cli import demo, demo_readme, demo_report
+from jaxcomm.cli import demo_methods, demo_readme, demo_report
+from jaxcomm.cli.demo_methods import EXACT, LOCAL, ONEBIT, SHARDED_INT8
 
 STEPS, WARM = 60, 20
-PER_KIND = {demo.EXACT: 2.0e6, demo.ONEBIT: 6.0e4, demo.LOCAL: 0.0, demo.SHARDED_INT8: 5.0e5}
+PER_KIND = {EXACT: 2.0e6, ONEBIT: 6.0e4, LOCAL: 0.0, SHARDED_INT8: 5.0e5}
 
 
 def run(method, losses, kinds, eval_every=20):
-    r = demo.RunResult(method, losses=list(losses), kinds=list(kinds))
+    r = demo_methods.RunResult(method, losses=list(losses), kinds=list(kinds))
     r.eval_steps = list(range(eval_every, len(losses) + 1, eval_every))
     r.eval_losses = [float(np.mean(losses[s - 5 : s])) for s in r.eval_steps]
     r.final_eval_loss = r.eval_losses[-1]
@@ -25,13 +26,13 @@ def run(method, losses, kinds, eval_every=20):
 @pytest.fixture
 def runs():
     good = 4.5 - 2.5 * np.linspace(0, 1, STEPS)
-    onebit = [demo.EXACT] * WARM + [demo.ONEBIT] * (STEPS - WARM)
+    onebit = [EXACT] * WARM + [ONEBIT] * (STEPS - WARM)
     blown = good.copy()
     blown[29:] = np.nan  # non-finite from step 30, 10 steps after the switch
     huge = good.copy()
     huge[24:] = 6e23  # finite but useless: the held-out loss never comes back
     return [
-        run("adam", good, [demo.EXACT] * STEPS),
+        run("adam", good, [EXACT] * STEPS),
         run("compressed_mean", good + 0.1, onebit),
         run("onebit_adam", blown, onebit),
         run("zero_one_adam", huge, onebit),
@@ -39,7 +40,7 @@ def runs():
 
 
 def rows_of(runs):
-    return {r["method"]: r for r in demo.summarize(runs, PER_KIND, warmup_steps=WARM)}
+    return {r["method"]: r for r in demo_report.summarize(runs, PER_KIND, warmup_steps=WARM)}
 
 
 def test_divergence_is_found_with_step_and_cause(runs):
@@ -53,19 +54,19 @@ def test_divergence_is_found_with_step_and_cause(runs):
     # Never non-finite, but it ended worse than it began: dated to where the loss blew up.
     assert d is not None and d.step == 25 and "5 steps after the switch" in d.cause
     # A blow-up during the exact warm-up is blamed on the learning rate, not the compression.
-    early = run("onebit_adam", [4.5] * 9 + [math.inf] * (STEPS - 9), [demo.EXACT] * STEPS)
+    early = run("onebit_adam", [4.5] * 9 + [math.inf] * (STEPS - 9), [EXACT] * STEPS)
     assert "learning rate" in demo_report.find_divergence(early, WARM).cause
 
 
 def test_a_skipped_nonfinite_step_that_recovers_is_a_note_not_a_divergence(runs):
     losses = 4.5 - 2.5 * np.linspace(0, 1, STEPS)
     losses[33] = np.nan  # e.g. a non-finite gradient the optimizer skipped
-    onebit = [demo.EXACT] * WARM + [demo.ONEBIT] * (STEPS - WARM)
+    onebit = [EXACT] * WARM + [ONEBIT] * (STEPS - WARM)
     skipped = run("onebit_adam", losses, onebit)
     skipped.eval_losses = [3.7, 2.9, 2.1]
     skipped.final_eval_loss = 2.1
     assert demo_report.find_divergence(skipped, WARM) is None
-    rows = demo.summarize([runs[0], skipped], PER_KIND, warmup_steps=WARM)
+    rows = demo_report.summarize([runs[0], skipped], PER_KIND, warmup_steps=WARM)
     assert rows[1]["traffic_ratio"] > 1 and rows[1]["nonfinite_steps"] == [34]
     text = demo_report.format_report(rows, PER_KIND, devices=8, steps=STEPS, warmup_steps=WARM)
     assert "NOTE: onebit_adam had a non-finite training loss at 1 step (first: step 34)" in text
@@ -75,7 +76,7 @@ def test_a_skipped_nonfinite_step_that_recovers_is_a_note_not_a_divergence(runs)
 def test_diverged_runs_claim_no_saving_and_the_baseline_is_named(runs):
     rows = rows_of(runs)
     assert rows["adam"]["baseline"] and rows["adam"]["traffic_ratio"] == pytest.approx(1.0)
-    ratio = PER_KIND[demo.EXACT] * STEPS / (PER_KIND[demo.EXACT] * WARM + 40 * PER_KIND["1-bit"])
+    ratio = PER_KIND[EXACT] * STEPS / (PER_KIND[EXACT] * WARM + 40 * PER_KIND["1-bit"])
     assert rows["compressed_mean"]["traffic_ratio"] == pytest.approx(ratio)
     for m in ("onebit_adam", "zero_one_adam"):
         assert rows[m]["diverged"] is not None

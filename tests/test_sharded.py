@@ -318,21 +318,22 @@ def test_flax_nnx_sharded_example():
 
 def test_demo_sharded_int8_method(mesh):
     pytest.importorskip("rich")
-    from jaxcomm.cli import demo
+    from jaxcomm.cli import demo, demo_methods, demo_report
+    from jaxcomm.cli.demo_methods import EXACT, SHARDED_INT8
     from jaxcomm.cli.models import ByteBatches
 
-    cfg = demo.DemoConfig(
+    cfg = demo_methods.DemoConfig(
         steps=12, batch_per_device=2, width=32, layers=1, eval_every=6, held_out=16,
         methods=("sharded_int8",),
     )
     data = ByteBatches.from_corpus(context=cfg.context)
     result = demo.train("sharded_int8", cfg, mesh, data)
-    assert result.kinds == [demo.SHARDED_INT8] * cfg.steps
+    assert result.kinds == [SHARDED_INT8] * cfg.steps
     assert np.all(np.isfinite(result.losses)) and result.losses[-1] < result.losses[0]
-    params = demo.make_model(cfg).init(cfg.seed)
-    per_kind = demo.wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes)
+    params = demo_methods.make_model(cfg).init(cfg.seed)
+    per_kind = demo_methods.wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes)
     # int8 codes both ways (+ one fp32 scale per block and leaf): about 4x less than fp32.
-    assert 3.5 < per_kind[demo.EXACT] / per_kind[demo.SHARDED_INT8] <= 4.0
-    row = demo.summarize([result], per_kind)[0]
-    assert row["total_bytes"] == pytest.approx(cfg.steps * per_kind[demo.SHARDED_INT8])
-    assert row["steps"][demo.SHARDED_INT8] == cfg.steps
+    assert 3.5 < per_kind[EXACT] / per_kind[SHARDED_INT8] <= 4.0
+    row = demo_report.summarize([result], per_kind)[0]
+    assert row["total_bytes"] == pytest.approx(cfg.steps * per_kind[SHARDED_INT8])
+    assert row["steps"][SHARDED_INT8] == cfg.steps

@@ -37,13 +37,8 @@ from typing import Any
 import numpy as np
 
 from jaxcomm.cli.demo_methods import (
-    DILOCO_INT4,
     EXACT,
-    LOCAL,
     METHODS,
-    ONEBIT,
-    RATES_GBIT,
-    SHARDED_INT8,
     DemoConfig,
     RunResult,
     check_methods,
@@ -154,49 +149,6 @@ def evaluated_params(state):
     return state.params
 
 
-def summarize(
-    results: list[RunResult], bytes_per_kind: dict[str, float], warmup_steps: int | None = None
-) -> list[dict[str, Any]]:
-    """Rows of the final table: losses, accuracy, traffic and its ratio to the baseline.
-
-    A run that diverged gets ``diverged`` (step, what, likely cause) and no ratios
-    (:func:`jaxcomm.cli.demo_report.annotate`); ``warmup_steps`` dates the cause.
-    """
-    from jaxcomm.cli import demo_report
-
-    rows = []
-    for r in results:
-        total = sum(bytes_per_kind[k] for k in r.kinds + r.final_kinds)
-        row = dict(
-            method=r.method,
-            eval_loss=r.final_eval_loss,
-            train_loss=float(np.mean(r.losses[-max(1, len(r.losses) // 10) :])),
-            accuracy=r.final_accuracy,
-            bytes_per_step=total / len(r.kinds),  # the final average is spread over the run
-            total_bytes=total,
-            steps={k: r.kinds.count(k) for k in (EXACT, ONEBIT, LOCAL, DILOCO_INT4, SHARDED_INT8)},
-            seconds=r.seconds,
-        )
-        for rate in RATES_GBIT:
-            row[f"comm_s_{rate}gbit"] = total * 8 / (rate * 1e9)
-        rows.append(row)
-    demo_report.annotate(rows, results, warmup_steps)
-    return rows
-
-
-def plot(
-    results: list[RunResult],
-    bytes_per_kind: dict[str, float],
-    path: str,
-    warmup_steps: int | None = None,
-) -> list[str]:
-    """Held-out loss against step and against cumulative bytes (PNG); returns notes on the runs
-    that diverged (cut at the step they diverged, see :func:`jaxcomm.cli.demo_report.plot`)."""
-    from jaxcomm.cli import demo_report
-
-    return demo_report.plot(results, bytes_per_kind, path, warmup_steps=warmup_steps)[0]
-
-
 def run(
     cfg: DemoConfig, *, plot_path: str | None, json_path: str | None, out_dir: str | None = None
 ) -> list[dict[str, Any]]:
@@ -239,7 +191,7 @@ def run(
             results.append(train(method, cfg, mesh, data, progress))
     params = make_model(cfg).init(cfg.seed)
     bytes_per_kind = wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes, cfg.methods)
-    rows = summarize(results, bytes_per_kind, cfg.warmup_steps)
+    rows = demo_report.summarize(results, bytes_per_kind, cfg.warmup_steps)
     if not lead:
         return rows
     report = demo_report.format_report(
@@ -250,7 +202,8 @@ def run(
         os.makedirs(out_dir, exist_ok=True)
     if plot_path:
         os.makedirs(os.path.dirname(plot_path) or ".", exist_ok=True)
-        notes = plot(results, bytes_per_kind, plot_path, cfg.warmup_steps)
+        drawn = demo_report.plot(results, bytes_per_kind, plot_path, warmup_steps=cfg.warmup_steps)
+        notes = drawn[0]
         print(f"plot: {plot_path}" + (f" ({'; '.join(notes)})" if notes else ""), file=human)
     doc = demo_report.json_safe(
         dict(

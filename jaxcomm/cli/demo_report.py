@@ -20,6 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+import numpy as np
+
+from jaxcomm.cli.demo_methods import DILOCO_INT4, EXACT, LOCAL, ONEBIT, RATES_GBIT, SHARDED_INT8
+
 #: Widest line of the tables: 100 columns minus ``jaxcomm launch``'s ``[rank 0] `` prefix.
 MAX_WIDTH = 90
 
@@ -161,6 +165,34 @@ def annotate(rows: list[dict[str, Any]], results: Sequence, warmup_steps: int | 
         else:
             row["traffic_ratio"] = base["total_bytes"] / max(row["total_bytes"], 1.0)
             row["loss_vs_adam"] = row["eval_loss"] / base["eval_loss"] - 1.0
+
+
+def summarize(
+    results: Sequence, bytes_per_kind: dict[str, float], warmup_steps: int | None = None
+) -> list[dict[str, Any]]:
+    """Rows of the final table: losses, accuracy, traffic and its ratio to the baseline.
+
+    A run that diverged gets ``diverged`` (step, what, likely cause) and no ratios
+    (:func:`annotate`); ``warmup_steps`` dates the cause.
+    """
+    rows = []
+    for r in results:
+        total = sum(bytes_per_kind[k] for k in r.kinds + r.final_kinds)
+        row = dict(
+            method=r.method,
+            eval_loss=r.final_eval_loss,
+            train_loss=float(np.mean(r.losses[-max(1, len(r.losses) // 10) :])),
+            accuracy=r.final_accuracy,
+            bytes_per_step=total / len(r.kinds),  # the final average is spread over the run
+            total_bytes=total,
+            steps={k: r.kinds.count(k) for k in (EXACT, ONEBIT, LOCAL, DILOCO_INT4, SHARDED_INT8)},
+            seconds=r.seconds,
+        )
+        for rate in RATES_GBIT:
+            row[f"comm_s_{rate}gbit"] = total * 8 / (rate * 1e9)
+        rows.append(row)
+    annotate(rows, results, warmup_steps)
+    return rows
 
 
 def divergences(rows: Sequence[dict[str, Any]]) -> list[Divergence]:

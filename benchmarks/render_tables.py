@@ -258,10 +258,10 @@ def aot_table(results: dict[str, dict]) -> str:
                          f"{100 * a['overlap_fraction']:.0f}%",
                          f"{a.get('cross_slice_bytes', 0) / 1e3:,.1f} KB"])
     if not rows:
-        return "No compiled TPU reports yet.\n"
+        return "No compiled TPU or GPU reports yet.\n"
     return (table(["results file", "step (parameters)", "topology", "flags",
                    "wire bytes / device", "bytes overlapping compute", "across slices"], rows)
-            + "\nCompiled ahead of time for the topology with no TPU attached "
+            + "\nCompiled ahead of time for the topology with no TPU or GPU attached "
             "(`benchmarks/aot_report.py`); bytes from the compiled HLO.\n")
 
 

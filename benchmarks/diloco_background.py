@@ -4,8 +4,9 @@ Two processes (one CPU device each, gloo) on a loopback shaped with ``tc tbf`` (
 driver ``benchmarks/_two_ranks.py``), the 64 MiB MLP of ``user_path.py`` (4 x 2048 x 2048,
 16.8M fp32 parameters, 16 examples per process), ``jc.make_train_step`` with
 ``jc.diloco(optax.adam(lr), optax.sgd(0.7, momentum=0.9, nesterov=True), H, fragments=F,
-overlap_steps=tau, compressor=...)``. Rows, each a full cycle of ``H`` steps (every fragment's
-sync issued and merged inside it):
+overlap_steps=tau, compressor=...)`` and ``mean_metrics=False`` (each process's own loss: the
+inner steps send nothing; ``--mean-metrics`` adds the per-step loss all-reduce). Rows, each a
+full cycle of ``H`` steps (every fragment's sync issued and merged inside it):
 
 * ``floor``: ``H`` inner steps and no sync (``sync_every`` past the run): the target;
 * ``blocking``: ``background=False``, the reduction inside the step program of ``t_s + 1``
@@ -50,6 +51,12 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds before giving up")
+    p.add_argument(
+        "--mean-metrics",
+        action="store_true",
+        help="average the loss over processes every step (one all-reduce per inner step)",
+    )
+    p.add_argument("--trace", action="store_true", help="also time each step and sync stage")
     p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -108,7 +115,9 @@ def _worker(args: argparse.Namespace) -> None:
             overlap_steps=tau,
             background=background,
         )
-        step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+        step, state = jc.make_train_step(
+            mesh, "dp", loss_fn, tx, params, mean_metrics=args.mean_metrics
+        )
         holder = {"state": state}
 
         def run(steps):
@@ -116,6 +125,7 @@ def _worker(args: argparse.Namespace) -> None:
                 holder["state"], loss = step(holder["state"], batch)
             return loss
 
+        run.background = step.background
         return run
 
     builders = {
@@ -141,10 +151,59 @@ def _worker(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             jax.block_until_ready(runs[name](H))
             times[name].append(time.perf_counter() - t0)
+    trace = _trace(runs["background"], H) if args.trace and "background" in runs else None
     Path(args.worker, f"rank{rank}.json").write_text(
-        json.dumps({"rank": rank, "times": times, "compile_s": compile_s, "tau": tau})
+        json.dumps(
+            {"rank": rank, "times": times, "compile_s": compile_s, "tau": tau, "trace": trace}
+        )
     )
     jax.distributed.shutdown()
+
+
+def _trace(run, H: int) -> dict:
+    """One more background cycle, each step waited for, with the host thread's stages timed
+    (diagnostics: which step waits, how long each exchange takes)."""
+    import jax
+
+    from jaxcomm.optim import diloco_background as bg
+
+    stages, t0 = [], time.perf_counter()
+
+    def timed(name, fn):
+        def wrapper(*args, **kw):
+            start = time.perf_counter()
+            out = fn(*args, **kw)
+            stages.append((name, start - t0, time.perf_counter() - start))
+            return out
+
+        return wrapper
+
+    def timed_program(name, fn):
+        def wrapper(*args):
+            start = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))
+            stages.append((name, start - t0, time.perf_counter() - start))
+            return out
+
+        return wrapper
+
+    for programs in run.background._programs.values():
+        for name in ("worker", "server", "finish"):
+            setattr(programs, name, timed_program(name, getattr(programs, name)))
+    originals = bg.all_to_all, bg.all_gather
+    bg.all_to_all, bg.all_gather = (
+        timed("all_to_all", originals[0]),
+        timed("all_gather", originals[1]),
+    )
+    steps = []
+    try:
+        for _ in range(H):
+            start = time.perf_counter()
+            jax.block_until_ready(run(1))
+            steps.append((start - t0, time.perf_counter() - start))
+    finally:
+        bg.all_to_all, bg.all_gather = originals
+    return {"steps": steps, "stages": stages}
 
 
 def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
@@ -159,11 +218,13 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
         "H": args.H,
         "fragments": args.F,
         "overlap_steps": ranks[0]["tau"],
+        "mean_metrics": args.mean_metrics,
         "outer_gradient": "exact fp32" if args.bits == "exact" else f"int{args.bits} + EF",
         "repeats": args.repeats,
         "cycle_s": cycle,
         "compile_s": {k: max(r["compile_s"][k] for r in ranks) for k in cycle},
         "ratios": ratios,
+        **({"trace": [r["trace"] for r in ranks]} if ranks[0].get("trace") else {}),
     }
 
 
@@ -193,6 +254,8 @@ def main(argv=None) -> int:
         f"--bits={args.bits}",
         f"--repeats={args.repeats}",
         f"--methods={args.methods}",
+        *(["--trace"] if args.trace else []),
+        *(["--mean-metrics"] if args.mean_metrics else []),
     ]
     if args.tau is not None:
         worker_args.append(f"--tau={args.tau}")

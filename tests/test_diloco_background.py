@@ -148,3 +148,18 @@ def test_bad_input_is_refused(mesh):
     step, state = jc.make_pmap_train_step("dp", loss_fn, tx, make_params())
     with pytest.raises(ValueError, match="through that step"):
         step(state, make_batches(1)[0])
+
+
+def test_local_metrics_are_each_devices_loss(mesh):
+    """``mean_metrics=False``: the step's loss is each device's own, on its rows and its local
+    parameters (no all-reduce in the inner steps)."""
+    tx = _tx(True, jc.Quantize(bits=4, error_feedback=True), 4, 1, 2)
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params(), mean_metrics=False)
+    for x, y in make_batches(6):
+        b, w = (np.asarray(p, np.float64) for p in jax.tree.leaves(state.params))
+        state, losses = step(state, (x, y))
+        assert losses.shape == (8,)
+        for r in range(8):
+            rows = slice(r * 2, (r + 1) * 2)
+            want = np.mean((x[rows] @ w[r] + b[r] - y[rows]) ** 2)
+            np.testing.assert_allclose(float(losses[r]), want, rtol=1e-5)

@@ -253,7 +253,10 @@ class BackgroundSync:
         wires, servers = programs.server(received, comm)
         flat, treedef = jax.tree.flatten(wires)
         gathered = all_gather(self._links, self._rows(flat), self.owner, self.me)
-        gathered = [jax.device_put(g, self.replicated) for g in gathered]
+        gathered = [
+            jax.make_array_from_callback(g.shape, self.replicated, lambda idx, g=g: g[idx])
+            for g in gathered
+        ]
         gathered = jax.tree.unflatten(treedef, gathered)
         return programs.finish(gathered, workers, servers, comm)
 

@@ -143,7 +143,10 @@ def _loss_and_grads(loss_fn, has_aux, params, batch):
     return loss, aux, grads
 
 
-def _mean_metrics(loss, aux, axis_name: str, has_aux: bool):
+def _mean_metrics(loss, aux, axis_name: str, has_aux: bool, mean: bool = True):
+    if not mean:  # each device's own values, stacked over the axis: no collective
+        local = (loss, aux) if has_aux else loss
+        return jax.tree.map(lambda x: jnp.asarray(x)[None], local)
     loss = lax.pmean(loss, axis_name)
     if not has_aux:
         return loss
@@ -151,7 +154,15 @@ def _mean_metrics(loss, aux, axis_name: str, has_aux: bool):
 
 
 def _local_train_step(
-    loss_fn, tx, axis_name, has_aux, state: TrainState, batch, varying: bool, blocks=None
+    loss_fn,
+    tx,
+    axis_name,
+    has_aux,
+    state: TrainState,
+    batch,
+    varying: bool,
+    blocks=None,
+    mean_metrics: bool = True,
 ):
     """One device's step: local grads -> ``tx`` (which communicates) -> new params.
 
@@ -171,7 +182,8 @@ def _local_train_step(
         new_params = optax.apply_updates(
             blocks, jax.tree.map(lambda u, b: u.reshape(b.shape), updates, blocks)
         )
-    return TrainState(new_params, opt_state), _mean_metrics(loss, aux, axis_name, has_aux)
+    metrics = _mean_metrics(loss, aux, axis_name, has_aux, mean_metrics)
+    return TrainState(new_params, opt_state), metrics
 
 
 def init_train_state(
@@ -213,6 +225,7 @@ def make_train_step(
     check_vma: bool = True,
     specialize_phases: bool = True,
     max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
+    mean_metrics: bool = True,
 ) -> tuple[TrainStep, TrainState]:
     """A jitted ``shard_map`` data-parallel train step and its initial state.
 
@@ -243,6 +256,9 @@ def make_train_step(
         :func:`jaxcomm.phase`). ``False``: one program for every phase.
       max_in_flight: how many steps the host may dispatch ahead of the device before a call
         waits for the oldest (``None``: no bound). See :class:`jaxcomm.train.TrainStep`.
+      mean_metrics: average the loss (and ``aux``) over the devices, one small all-reduce per
+        step; ``False``: each device's own, stacked ``(n, ...)`` over ``axis_name``, so that a
+        step that does not communicate otherwise (DiLoCo's inner steps) sends nothing at all.
 
     Returns:
       ``(step, state)``: ``step(state, batch) -> (state, metrics)`` (a
@@ -268,7 +284,15 @@ def make_train_step(
                     )
                 return ensure_varying(recorded.as_array(), axis_name)[None]
             new, metrics = _local_train_step(
-                loss_fn, tx, axis_name, has_aux, local_view(state), batch, True, blocks
+                loss_fn,
+                tx,
+                axis_name,
+                has_aux,
+                local_view(state),
+                batch,
+                True,
+                blocks,
+                mean_metrics,
             )
             if blocks is None:
                 return global_view(new), metrics
@@ -278,7 +302,7 @@ def make_train_step(
             body,
             mesh=mesh,
             in_specs=(specs, _split_batch_spec(axis_name, batch)),
-            out_specs=P(axis_name) if probe else (specs, P()),
+            out_specs=P(axis_name) if probe else (specs, P() if mean_metrics else P(axis_name)),
             check_vma=check_vma,
         )
         return mapped(state, batch)

@@ -28,30 +28,30 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.comm.state import ReduceState, init_state
-from jaxcomm.compressors import Compressor, OneBit
+from jaxcomm.compressors import Compressor, OneBit, keep_if
 from jaxcomm.optim._common import (
     PyTree,
-    all_finite,
-    apply_mask,
     cast_like,
     check_compressor,
-    check_skips,
     compressed_mean_call,
     compressed_mean_or_fallback_call,
-    damped_denominator,
-    ema,
     exact_mean,
     f32,
-    floating_buckets,
-    keep_error_feedback,
-    keep_if,
     learning_rate_at,
-    mean_finite,
     needs_params,
     resolve_axis_size,
     static_bucket_bytes,
     static_int,
     zeros_f32,
+)
+from jaxcomm.optim._moments import apply_mask, damped_denominator, ema
+from jaxcomm.optim._skip import (
+    all_finite,
+    count_skips,
+    floating_buckets,
+    keep_error_feedback,
+    mean_finite,
+    zeros_unless,
 )
 from jaxcomm.optim.schedule import STEADY_FOREVER, phase, phase_cond, steady_below
 
@@ -247,20 +247,20 @@ def scale_by_onebit_adam(
         elif frozen is True:
             step = jax.tree.map(lambda m: m / c1, mu)
         else:
-            # Divided by 1 after the freeze; the warm-up's form (m / c1) / denominator.
-            step = jax.tree.map(
+            step = jax.tree.map(  # after the freeze: divided by 1
                 lambda m, den: (m / c1) / jnp.where(frozen, one, den), mu, denominator(nu, frozen)
             )
-        direction = jax.tree.map(lambda d: jnp.where(ok, d, jnp.zeros_like(d)), step)
-        skipped = jnp.where(ok, 0, state.skipped + 1).astype(jnp.int32)
-        check_skips(skipped, max_consecutive_skips, "onebit_adam")
+        direction = zeros_unless(ok, step)
+        skipped, skipped_total = count_skips(
+            ok, state.skipped, state.skipped_total, max_consecutive_skips, "onebit_adam"
+        )
         new_state = OneBitAdamState(
             jnp.where(ok, t, state.count),
             mu,
             nu,
             comm,
             skipped,
-            state.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32),
+            skipped_total,
             jnp.where(ok, jnp.asarray(frozen) & precondition, state.preconditioned),
         )
         return direction, new_state

@@ -47,6 +47,8 @@ RUNS = {
     **{f"h50-f4-tau{tau}-int4": (50, "int4", 4, tau) for tau in range(1, 6)},
 }
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+#: ``--background``: runs with ``overlap_steps >= 2`` sync on a host thread (same numbers).
+BACKGROUND = {"on": False}
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ def train(name: str, cfg, mesh, data, steps: int, eval_every: int) -> dict:
             compressor=compressor(comp_name),
             fragments=F,
             overlap_steps=tau,
+            background=BACKGROUND["on"] and tau >= 2,
         )
     step, state = jc.make_train_step(mesh, axis, loss_fn, tx, params)
     held_inputs, held_targets = data.held_out(2048)
@@ -208,7 +211,11 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--json", default=None, help="merge the rows into this JSON file")
+    parser.add_argument(
+        "--background", action="store_true", help="background=True where overlap_steps >= 2"
+    )
     args = parser.parse_args(argv)
+    BACKGROUND["on"] = args.background
     names = [r for r in args.runs.split(",") if r]
     unknown = [r for r in names if r not in RUNS]
     if unknown:

@@ -40,6 +40,7 @@ from jaxcomm.inspect import CommsReport, comms_report, wire_bytes_by_axes
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
 from jaxcomm.optim.demo import DemoLocal, DemoState, demo
 from jaxcomm.optim.diloco import diloco
+from jaxcomm.optim.diloco_exchange import SyncError
 from jaxcomm.optim.diloco_state import DiLoCoLocal, DiLoCoState, diloco_params
 from jaxcomm.optim.onebit_adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
 from jaxcomm.optim.onebit_lamb import OneBitLambState, onebit_lamb
@@ -154,5 +155,6 @@ __all__ = [
     "DiLoCoState",
     "diloco",
     "diloco_params",
+    "SyncError",
     "resize_diloco_state",
 ]

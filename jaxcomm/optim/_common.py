@@ -19,17 +19,6 @@ from jaxcomm.comm.state import check_compressor as check_compressor
 from jaxcomm.compressors import NoCompression
 from jaxcomm.compressors import keep_if as keep_if
 
-# The skip and moment pieces live in _skip and _moments; onebit_adam and diloco import these
-# names from here until they import them from there.
-from jaxcomm.optim._moments import apply_mask as apply_mask
-from jaxcomm.optim._moments import damped_denominator as damped_denominator
-from jaxcomm.optim._moments import ema as ema
-from jaxcomm.optim._skip import all_finite as all_finite
-from jaxcomm.optim._skip import check_skips as check_skips
-from jaxcomm.optim._skip import floating_buckets as floating_buckets
-from jaxcomm.optim._skip import keep_error_feedback as keep_error_feedback
-from jaxcomm.optim._skip import mean_finite as mean_finite
-
 PyTree = Any
 
 

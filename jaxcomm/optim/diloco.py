@@ -75,7 +75,7 @@ from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.all_reduce import compressed_pmean
 from jaxcomm.comm.state import init_state
 from jaxcomm.compressors import Compressor
-from jaxcomm.optim._common import all_finite, check_skips
+from jaxcomm.optim._skip import all_finite, check_skips
 from jaxcomm.optim.diloco_background import BackgroundSpec, check_driven, register
 from jaxcomm.optim.diloco_outer import (
     axis_size_of,

@@ -17,7 +17,7 @@ import optax
 from jax import lax
 
 from jaxcomm._compat import ensure_varying
-from jaxcomm.optim._common import all_finite
+from jaxcomm.optim._skip import all_finite
 from jaxcomm.optim.diloco_state import DiLoCoState, check_int
 from jaxcomm.optim.schedule import STEADY_FOREVER
 

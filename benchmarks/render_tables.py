@@ -267,8 +267,54 @@ def aot_table(results: dict[str, dict]) -> str:
             "(`benchmarks/aot_report.py`); bytes from the compiled HLO.\n")
 
 
+TIME_TO_LOSS_LABELS = {
+    "exact_adam": "Adam, exact mean every step",
+    "onebit_adam": "`jc.onebit_adam`",
+    "zero_one_adam": "`jc.zero_one_adam`",
+    "diloco_int4": "`jc.diloco`, int4 outer gradients",
+    "streaming_diloco": "Streaming DiLoCo (`fragments`)",
+    "sparseloco": "`jc.diloco` + `jc.SparseLoCo`",
+    "demo": "`jc.demo`",
+}
+
+
+def is_time_to_loss(name, doc):
+    return "target_loss" in doc and "rows" in doc and "rate" in doc
+
+
+def time_to_loss_table(results: dict[str, dict]) -> str:
+    """How much sooner each method reaches exact Adam's held-out loss, one column per run."""
+    runs = sorted(
+        ((name, doc) for name, doc in results.items() if is_time_to_loss(name, doc)),
+        key=lambda nd: (nd[1].get("size") != "small", nd[1]["rate"] != "1gbit"),
+    )
+    if not runs:
+        return "No results file of `benchmarks/time_to_loss.py` yet.\n"
+    header = ["optimizer (times sooner than Adam)"] + [
+        f"{doc.get('params', 0) / 1e3:.0f}k parameters, {doc['rate']}" for _, doc in runs
+    ]
+    rows = []
+    for key, label in TIME_TO_LOSS_LABELS.items():
+        cells = []
+        for _, doc in runs:
+            row = doc["rows"].get(key)
+            speed = None if row is None else row.get("speedup_to_adam_loss")
+            if key == "exact_adam" and row is not None:
+                cells.append(f"{row['seconds_to_adam_loss']:.1f} s")
+            else:
+                cells.append("not run" if row is None else "not reached" if not speed else
+                             f"{speed:.2f}x")
+        rows.append([label, *cells])
+    sources = ", ".join(source(name) for name, _ in runs)
+    return (table(header, rows)
+            + "\nWall-clock training time until the held-out loss exact Adam ends with, against "
+            "Adam's own time; byte-level transformer LM, 2 processes on a shaped link, one run "
+            f"each ({sources}; protocol and settings: `benchmarks/results/time_to_loss.md`).\n")
+
+
 RENDERERS = {
     "choose": choose,
+    "time-to-loss": time_to_loss_table,
     "provenance": provenance_table,
     "demo-quality": demo_table,
     "user-path": user_path_table,

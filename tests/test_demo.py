@@ -140,7 +140,7 @@ def test_training_learns_and_the_table_adds_up(tiny_run, tmp_path):
     )
     assert "byte-level transformer" in text and "int4 sync" in text
     path = tmp_path / "demo.png"
-    demo_report.plot(results, per_kind, str(path))
+    demo_report.plot(results, per_kind, str(path), warmup_steps=cfg.warmup_steps)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -17,7 +17,6 @@ from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.all_reduce import compressed_pmean, compressed_pmean_or_fallback
 from jaxcomm.comm.state import check_compressor as check_compressor
 from jaxcomm.compressors import NoCompression
-from jaxcomm.compressors import keep_if as keep_if
 
 PyTree = Any
 

@@ -48,7 +48,7 @@ keeping per-device parameters. The model to evaluate is the outer one,
 ``alpha = 0`` (to one rounding of ``x + (theta - x)``; identical where they are within a factor
 2 of each other, by Sterbenz's lemma).
 
-Non-finite values (issue 15 item 3: keep the state, count). An inner step whose new local
+Non-finite values: the state is kept and the skip counted. An inner step whose new local
 parameters are not finite on a device (a NaN or Inf gradient, an overflow) is skipped on that
 device: its parameters and inner state are kept and its ``local.nonfinite`` counter goes up
 (no communication: the other devices step on; the device's trajectory is that of a run in which

@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,6 +39,7 @@ from jaxcomm.train.layout import (
     repeat,
     train_state_specs,
 )
+from jaxcomm.train.local_step import local_train_step
 from jaxcomm.train.phased import PhasedStep
 from jaxcomm.train.placement import place_batch
 
@@ -137,55 +137,6 @@ def _split_batch_spec(axis_name: str, batch: PyTree) -> PyTree:
     return jax.tree.map(lambda _: P(axis_name), batch)
 
 
-def _loss_and_grads(loss_fn, has_aux, params, batch):
-    out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
-    loss, aux = out if has_aux else (out, None)
-    return loss, aux, grads
-
-
-def _mean_metrics(loss, aux, axis_name: str, has_aux: bool, mean: bool = True):
-    if not mean:  # each device's own values, stacked over the axis: no collective
-        local = (loss, aux) if has_aux else loss
-        return jax.tree.map(lambda x: jnp.asarray(x)[None], local)
-    loss = lax.pmean(loss, axis_name)
-    if not has_aux:
-        return loss
-    return loss, jax.tree.map(lambda x: lax.pmean(x, axis_name), aux)
-
-
-def _local_train_step(
-    loss_fn,
-    tx,
-    axis_name,
-    has_aux,
-    state: TrainState,
-    batch,
-    varying: bool,
-    blocks=None,
-    mean_metrics: bool = True,
-):
-    """One device's step: local grads -> ``tx`` (which communicates) -> new params.
-
-    ``blocks``: the per-device parameters as the ``(1, *local)`` blocks shard_map hands them;
-    the update is added to the blocks themselves, so that XLA writes them in place (through a
-    squeeze and its inverse it would copy every parameter on XLA:CPU).
-    """
-    params = state.params
-    grad_params = (
-        jax.tree.map(lambda p: ensure_varying(p, axis_name), params) if varying else params
-    )
-    loss, aux, grads = _loss_and_grads(loss_fn, has_aux, grad_params, batch)
-    updates, opt_state = tx.update(grads, state.opt_state, params)
-    if blocks is None:
-        new_params = optax.apply_updates(params, updates)
-    else:
-        new_params = optax.apply_updates(
-            blocks, jax.tree.map(lambda u, b: u.reshape(b.shape), updates, blocks)
-        )
-    metrics = _mean_metrics(loss, aux, axis_name, has_aux, mean_metrics)
-    return TrainState(new_params, opt_state), metrics
-
-
 def init_train_state(
     mesh: Mesh, axis_name: str, tx: optax.GradientTransformation, params: PyTree
 ) -> TrainState:
@@ -279,11 +230,11 @@ def make_train_step(
             blocks = state.params if params_are_per_device(state.opt_state) else None
             if probe:  # the phases only: the step itself is dead code
                 with record_phases() as recorded:
-                    _local_train_step(
+                    local_train_step(
                         loss_fn, tx, axis_name, has_aux, local_view(state), batch, True, blocks
                     )
                 return ensure_varying(recorded.as_array(), axis_name)[None]
-            new, metrics = _local_train_step(
+            new, metrics = local_train_step(
                 loss_fn,
                 tx,
                 axis_name,
@@ -305,7 +256,17 @@ def make_train_step(
             out_specs=P(axis_name) if probe else (specs, P() if mean_metrics else P(axis_name)),
             check_vma=check_vma,
         )
-        return mapped(state, batch)
+        try:
+            return mapped(state, batch)
+        except ValueError as err:
+            if "could not infer replication" not in str(err):
+                raise
+            raise ValueError(
+                f"jaxcomm: make_train_step's optimizer returned parameters that differ across "
+                f"{axis_name!r} (it does not average the gradients): chain "
+                f"jc.compressed_mean({axis_name!r}, jc.NoCompression()) in front of it, or use a "
+                "jaxcomm optimizer such as jc.onebit_adam"
+            ) from None
 
     donate_argnums = (0,) if donate else ()
     if specialize_phases:
@@ -354,7 +315,7 @@ def make_pmap_train_step(
     state = _owned(TrainState(stacked_params, opt_state))  # pmap places rows on first call
 
     def body(state, batch):
-        return _local_train_step(loss_fn, tx, axis_name, has_aux, state, batch, varying=False)
+        return local_train_step(loss_fn, tx, axis_name, has_aux, state, batch, varying=False)
 
     def probe(state, batch):  # the phases only: the step itself is dead code
         with record_phases() as recorded:

@@ -13,7 +13,11 @@ Wire codes (little-endian bit order):
 * :func:`pack_uint12`: two offsets below 4096 in three bytes (``a`` in the first 12 bits, ``b``
   in the next 12), so an offset costs 12 bits;
 * :func:`pack_codes`: ``8 / bits`` codes of ``bits`` bits per byte, code ``j`` of a byte in its
-  bits ``[bits j, bits (j + 1))``.
+  bits ``[bits j, bits (j + 1))``;
+* :func:`pack_bits`: a stream of bits, bit ``i`` in bit ``i % 8`` of byte ``i // 8``; the
+  ``k`` kept offsets of a chunk enter it by :func:`encode_offsets`, as ``k`` fields of
+  ``ceil(log2(h w))`` bits or as an ``h w``-bit mask of the kept elements, whichever is shorter
+  (:func:`index_bits`).
 """
 
 from __future__ import annotations
@@ -134,3 +138,74 @@ def unpack_codes(packed: jax.Array, bits: int, count: int) -> jax.Array:
     shifts = jnp.arange(per, dtype=jnp.uint8) * np.uint8(bits)
     codes = (packed[..., None] >> shifts) & np.uint8(2**bits - 1)
     return codes.reshape(*packed.shape[:-1], -1)[..., :count].astype(jnp.int32)
+
+
+def offset_width(plan: ChunkPlan) -> int:
+    """Bits that hold any offset of a chunk: ``ceil(log2(h w))`` (0 for one-element chunks)."""
+    return (plan.length - 1).bit_length()
+
+
+def uses_mask(plan: ChunkPlan) -> bool:
+    """Whether a chunk's kept offsets travel as an ``h w``-bit mask: ``h w < k`` offset fields
+    (e.g. 64 bits instead of 32 x 6 for 32 of 64), else as ``k`` fields."""
+    return plan.length < plan.k * offset_width(plan)
+
+
+def index_bits(plan: ChunkPlan) -> int:
+    """Bits of one chunk's kept offsets on the wire: ``min(k ceil(log2(h w)), h w)``."""
+    return plan.length if uses_mask(plan) else plan.k * offset_width(plan)
+
+
+def wire_order(idx: jax.Array, plan: ChunkPlan) -> jax.Array:
+    """The kept offsets ``idx`` ``(chunks, k)`` in the order their values travel: ascending
+    where a mask carries them (the mask keeps no order), else as given."""
+    return jnp.sort(idx, axis=-1) if uses_mask(plan) else idx
+
+
+def to_bits(values: jax.Array, width: int) -> jax.Array:
+    """``(K,)`` ints below ``2^width`` -> ``(K width,)`` uint8 bits, least significant first."""
+    shifts = jnp.arange(width, dtype=jnp.int32)
+    return ((values.astype(jnp.int32)[:, None] >> shifts) & 1).astype(jnp.uint8).reshape(-1)
+
+
+def from_bits(bits: jax.Array, width: int) -> jax.Array:
+    """Inverse of :func:`to_bits` over the last axis: ``(..., K)`` int32."""
+    fields = bits.astype(jnp.int32).reshape(*bits.shape[:-1], -1, width)
+    return jnp.sum(fields << jnp.arange(width, dtype=jnp.int32), axis=-1)
+
+
+def encode_offsets(idx: jax.Array, plan: ChunkPlan) -> jax.Array:
+    """The bits of kept offsets ``idx`` ``(chunks, k)`` (in :func:`wire_order`):
+    ``(chunks index_bits,)`` uint8, chunk by chunk."""
+    if uses_mask(plan):
+        rows = jnp.arange(plan.chunks)[:, None]
+        mask = jnp.zeros((plan.chunks, plan.length), jnp.uint8).at[rows, idx].set(1)
+        return mask.reshape(-1)
+    return to_bits(idx.reshape(-1), offset_width(plan))
+
+
+def decode_offsets(bits: jax.Array, plan: ChunkPlan) -> jax.Array:
+    """Inverse of :func:`encode_offsets` over the last axis: ``(..., chunks, k)`` int32 (a
+    mask's set bits in ascending order)."""
+    lead = bits.shape[:-1]
+    if uses_mask(plan):
+        mask = bits.astype(jnp.int32).reshape(*lead, plan.chunks, plan.length)
+        # Set bits score above clear ones, lower offsets above higher: top-k lists them in order.
+        _, idx = jax.lax.top_k(mask * (2 * plan.length) - jnp.arange(plan.length), plan.k)
+        return idx.astype(jnp.int32)
+    if offset_width(plan) == 0:  # one-element chunks: the offset is 0, nothing travels
+        return jnp.zeros((*lead, plan.chunks, plan.k), jnp.int32)
+    return from_bits(bits, offset_width(plan)).reshape(*lead, plan.chunks, plan.k)
+
+
+def pack_bits(bits: jax.Array) -> jax.Array:
+    """``(B,)`` bits (0 or 1) -> ``(ceil(B / 8),)`` uint8, bit ``i`` in bit ``i % 8`` of byte
+    ``i // 8`` (zeros fill the last byte)."""
+    b = jnp.pad(bits.astype(jnp.uint8), (0, -bits.shape[0] % 8)).reshape(-1, 8)
+    return jnp.sum(b << jnp.arange(8, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
+
+
+def unpack_bits(packed: jax.Array, count: int) -> jax.Array:
+    """Inverse of :func:`pack_bits` over the last axis: ``(..., count)`` uint8 bits."""
+    bits = (packed[..., None] >> jnp.arange(8, dtype=jnp.uint8)) & np.uint8(1)
+    return bits.reshape(*packed.shape[:-1], -1)[..., :count]

@@ -22,10 +22,14 @@ from jaxcomm.compressors import keep_if
 from jaxcomm.compressors.chunks import (
     ChunkPlan,
     chunk_plan,
+    decode_offsets,
+    encode_offsets,
     from_chunks,
-    pack_uint12,
+    index_bits,
+    pack_bits,
     to_chunks,
-    unpack_uint12,
+    unpack_bits,
+    wire_order,
 )
 from jaxcomm.optim._common import (
     PyTree,
@@ -121,8 +125,10 @@ def demo(
        per chunk, whatever its size: 32 of 4096 in a 64 x 64 tile, 32 of 64 in a vector's
        chunk; a non-finite one ranks first);
     5. ``m <- m - IDCT(sent)``: the transmitted part leaves the momentum;
-    6. one ``all_gather`` of every device's message: the kept coefficients' 12-bit offsets in
-       their chunks, then their values in ``value_dtype``;
+    6. one ``all_gather`` of every device's message: the kept coefficients' offsets in their
+       chunks (per chunk, ``k`` fields of ``ceil(log2(h w))`` bits or an ``h w``-bit mask of
+       the kept coefficients, whichever is shorter: :func:`jaxcomm.compressors.chunks.
+       index_bits`), then their values in ``value_dtype``;
     7. ``U = IDCT(S)``, ``S`` at each coefficient the mean of the values sent for it over the
        devices that sent one (0 where none did), and ``p <- p - lr sign(U)``.
 
@@ -130,13 +136,14 @@ def demo(
     parameters get bf16 updates; the momentum stays fp32). ``U`` and the update are identical
     on every device.
 
-    Wire (measured from the compiled HLO in the tests): a kept value costs 12 bits of offset plus
-    its value, **5.5 bytes** in fp32 (3.5 in bf16), sent to each of the ``n - 1`` other devices;
-    the reference sends an int64 index with each value (12 bytes in fp32). Against the fp32 ring
-    all-reduce (``2 (n - 1)/n x 4`` bytes per element) a 64 x 64 tile at ``top_k=32`` costs
-    ``2 x 4 x 4096 / (n x 32 x 5.5)`` times less: 93x at ``n = 2``, 23x at ``n = 8`` (each device
-    receives every other device's message). Vectors' chunks keep up to ``top_k`` of their
-    ``chunk_size`` coefficients (half, at the defaults) and save little.
+    Wire (measured from the compiled HLO in the tests): in a 64 x 64 tile a kept value costs 12
+    bits of offset plus its value, **5.5 bytes** in fp32 (3.5 in bf16), sent to each of the
+    ``n - 1`` other devices; the reference sends an int64 index with each value (12 bytes in
+    fp32). Against the fp32 ring all-reduce (``2 (n - 1)/n x 4`` bytes per element) such a tile
+    at ``top_k=32`` costs ``2 x 4 x 4096 / (n x 32 x 5.5)`` times less: 93x at ``n = 2``, 23x at
+    ``n = 8`` (each device receives every other device's message). Vectors' chunks keep up to
+    ``top_k`` of their ``chunk_size`` coefficients (half, at the defaults: a 64-bit mask and 32
+    values, 4.25 bytes a value in fp32) and save little.
 
     A step whose gathered values are not finite (a NaN or Inf in any device's momentum ranks
     first in its chunk, so it is sent) is skipped on every device: the momentum is kept, the
@@ -165,7 +172,7 @@ def demo(
       axis_name: the data-parallel axis.
       compression_decay: ``beta`` in ``[0, 1)``.
       top_k: coefficients kept per chunk (>= 1).
-      chunk_size: the largest chunk side, 1 to 64 (offsets are coded in 12 bits).
+      chunk_size: the largest chunk side, 1 to 64 (offsets are coded in at most 12 bits).
       weight_decay: decoupled weight decay ``wd`` (needs ``params`` in ``update``).
       value_dtype: the kept values' dtype on the wire: ``jnp.float32``, ``jnp.bfloat16`` or
         ``jnp.float16`` (the rounded value is what leaves the momentum).
@@ -219,44 +226,45 @@ def demo(
             if plan.kept:
                 coeffs = _dct(to_chunks(m, plan), plan)
                 key = jnp.where(jnp.isfinite(coeffs), jnp.abs(coeffs), jnp.inf)
-                _, idx = lax.top_k(key, plan.k)
+                idx = wire_order(lax.top_k(key, plan.k)[1], plan)
                 kept = jnp.take_along_axis(coeffs, idx, axis=-1).astype(wire)
                 rows = jnp.arange(plan.chunks)[:, None]
                 sent = jnp.zeros_like(coeffs).at[rows, idx].set(kept.astype(jnp.float32))
                 m = m - from_chunks(_dct(sent, plan, inverse=True), plan)
-                offsets.append(idx.reshape(-1))
+                offsets.append(encode_offsets(idx, plan))
                 values.append(kept.reshape(-1))
             new_mus.append(m.reshape(mu.shape))
 
-        # 6: one all-gather of [12-bit offsets | values] (uint8).
+        # 6: one all-gather of [offset bits | values] (uint8).
         total = sum(p.kept for p in plans)
         n = 1
         if total:
             packed = jnp.concatenate(
                 [
-                    pack_uint12(jnp.concatenate(offsets)),
+                    pack_bits(jnp.concatenate(offsets)),
                     lax.bitcast_convert_type(jnp.concatenate(values), jnp.uint8).reshape(-1),
                 ]
             )
             parts = all_gather_replicated(ensure_varying(packed, axis_name), axis_name)
             n = parts.shape[0]
-            split = 3 * -(-total // 2)
-            all_offsets = unpack_uint12(parts[:, :split], total)
-            raw = parts[:, split:].reshape(n, total, wire.itemsize)
+            nbits = sum(p.chunks * index_bits(p) for p in plans if p.kept)
+            all_bits = unpack_bits(parts[:, : -(-nbits // 8)], nbits)
+            raw = parts[:, -(-nbits // 8) :].reshape(n, total, wire.itemsize)
             all_values = lax.bitcast_convert_type(raw, wire).astype(jnp.float32)
             ok = jnp.isfinite(jnp.sum(all_values))
         else:
             ok = jnp.ones([], jnp.bool_)
 
         # 7: scatter-mean over contributors in DCT space, inverse DCT, sign.
-        directions, at = [], 0
+        directions, at, bit = [], 0, 0
         for g, plan in zip(grads, plans, strict=True):
             if not plan.kept:
                 directions.append(jnp.zeros_like(g))
                 continue
-            off = all_offsets[:, at : at + plan.kept].reshape(n, plan.chunks, plan.k)
+            width = plan.chunks * index_bits(plan)
+            off = decode_offsets(all_bits[:, bit : bit + width], plan)
             val = all_values[:, at : at + plan.kept].reshape(-1)
-            at += plan.kept
+            at, bit = at + plan.kept, bit + width
             flat = (jnp.arange(plan.chunks)[:, None] * plan.length + off).reshape(-1)
             sums = jnp.zeros((plan.chunks * plan.length,), jnp.float32).at[flat].add(val)
             count = jnp.zeros((plan.chunks * plan.length,), jnp.float32).at[flat].add(1.0)
@@ -287,6 +295,8 @@ def demo(
 
 
 def message_bytes(shapes, *, top_k: int = 32, chunk_size: int = 64, value_dtype=jnp.float32):
-    """Bytes of one device's :func:`demo` message for parameters of ``shapes``."""
-    kept = sum(demo_plan(tuple(s), chunk_size, top_k).kept for s in shapes)
-    return 3 * -(-kept // 2) + kept * np.dtype(value_dtype).itemsize
+    """Bytes of one device's :func:`demo` message for parameters of ``shapes``: ``ceil(sum
+    chunks index_bits / 8)`` bytes of offsets, then every kept value in ``value_dtype``."""
+    plans = [demo_plan(tuple(s), chunk_size, top_k) for s in shapes]
+    bits = sum(p.chunks * index_bits(p) for p in plans if p.kept)
+    return -(-bits // 8) + sum(p.kept for p in plans) * np.dtype(value_dtype).itemsize

@@ -126,9 +126,9 @@ def demo(
        chunk; a non-finite one ranks first);
     5. ``m <- m - IDCT(sent)``: the transmitted part leaves the momentum;
     6. one ``all_gather`` of every device's message: the kept coefficients' offsets in their
-       chunks (per chunk, ``k`` fields of ``ceil(log2(h w))`` bits or an ``h w``-bit mask of
-       the kept coefficients, whichever is shorter: :func:`jaxcomm.compressors.chunks.
-       index_bits`), then their values in ``value_dtype``;
+       chunks in the shortest of three fixed-size codes (``k`` fields of ``ceil(log2(h w))``
+       bits, an ``h w``-bit mask, or Elias-Fano; see
+       :func:`jaxcomm.compressors.chunks.index_code`), then their values in ``value_dtype``;
     7. ``U = IDCT(S)``, ``S`` at each coefficient the mean of the values sent for it over the
        devices that sent one (0 where none did), and ``p <- p - lr sign(U)``.
 
@@ -136,14 +136,15 @@ def demo(
     parameters get bf16 updates; the momentum stays fp32). ``U`` and the update are identical
     on every device.
 
-    Wire (measured from the compiled HLO in the tests): in a 64 x 64 tile a kept value costs 12
-    bits of offset plus its value, **5.5 bytes** in fp32 (3.5 in bf16), sent to each of the
-    ``n - 1`` other devices; the reference sends an int64 index with each value (12 bytes in
-    fp32). Against the fp32 ring all-reduce (``2 (n - 1)/n x 4`` bytes per element) such a tile
-    at ``top_k=32`` costs ``2 x 4 x 4096 / (n x 32 x 5.5)`` times less: 93x at ``n = 2``, 23x at
-    ``n = 8`` (each device receives every other device's message). Vectors' chunks keep up to
-    ``top_k`` of their ``chunk_size`` coefficients (half, at the defaults: a 64-bit mask and 32
-    values, 4.25 bytes a value in fp32) and save little.
+    Wire (measured from the compiled HLO in the tests): in a 64 x 64 tile at ``top_k=32`` the
+    offsets take 288 bits (Elias-Fano), so a kept value costs 9 bits plus its value, **5.125
+    bytes** in fp32 (3.125 in bf16), sent to each of the ``n - 1`` other devices; the reference
+    sends an int64 index with each value (12 bytes in fp32). Against the fp32 ring all-reduce
+    (``2 (n - 1)/n x 4`` bytes per element) such a tile costs ``2 x 4 x 4096 / (n x 32 x
+    5.125)`` times less: 100x at ``n = 2``, 25x at ``n = 8`` (each device receives every other
+    device's message). Vectors' chunks keep up to ``top_k`` of their ``chunk_size``
+    coefficients (half, at the defaults: a 64-bit mask and 32 values, 4.25 bytes a value in
+    fp32) and save little.
 
     A step whose gathered values are not finite (a NaN or Inf in any device's momentum ranks
     first in its chunk, so it is sent) is skipped on every device: the momentum is kept, the

@@ -15,11 +15,15 @@ from jaxcomm.compressors.chunks import (
     ChunkPlan,
     chunk_plan,
     chunk_positions,
+    decode_offsets,
+    encode_offsets,
+    index_bits,
+    pack_bits,
     pack_codes,
-    pack_uint12,
     to_chunks,
+    unpack_bits,
     unpack_codes,
-    unpack_uint12,
+    wire_order,
 )
 from jaxcomm.compressors.topk import TopKState
 
@@ -71,21 +75,24 @@ class SparseLoCo(Compressor):
     3. per leaf, quantize the kept values with :func:`statistical_quantize` (``bits`` bits, ``B =
        2^bits`` bins over ``quant_range`` standard deviations);
     4. ``e <- e - dequant(sent)`` at the kept entries: quantization error also feeds back;
-    5. one ``all_gather`` of every device's part: 12-bit offsets in their chunks, ``bits``-bit
+    5. one ``all_gather`` of every device's part: the offsets in their chunks (the shortest of
+       three fixed-size codes, see :func:`jaxcomm.compressors.chunks.index_code`), ``bits``-bit
        codes, and per leaf ``shift`` and the ``B`` codebook means (fp32);
     6. scatter the ``n`` parts: each entry is the mean of the values sent for it, over the
        devices that sent one (``aggregate="contributors"``, the reference code's
        ``scatter_reduce(mean)``) or over all ``n`` (``"all"``, the paper's ``(1/R) sum``).
        Entries no device sent are 0.
 
-    Wire (measured from the compiled HLO in the tests): a kept value costs ``12 + bits`` bits
-    (1.75 bytes at 2 bits) plus ``4 (1 + 2^bits)`` bytes per leaf (20 at 2 bits); each device
-    sends its part to the ``n - 1`` others. Against the fp32 ring all-reduce, ``2 (n - 1)/n *
-    4`` bytes per element, the ratio is ``8 / (n d (12 + bits) / 8)`` for a density ``d = top_k /
-    chunk_size^2``: 293x at ``n = 2`` and the defaults, 73x at ``n = 8`` (gathered parts grow with
-    ``n``). Defaults are the reference class's (``top_k=32``, ``chunk_size=64``, ``error_decay=
-    0.999``, 6 sigma) with the paper's 2-bit values; the 72B run used ``top_k=64`` and
-    ``error_decay=0.95``.
+    Wire (measured from the compiled HLO in the tests): in a 64 x 64 tile the offsets of ``k``
+    kept values take Elias-Fano's ``k (l + 1) + 4095 >> l + 1`` bits (``l = floor(log2(4096 /
+    k))``: 9 bits a value at ``top_k=32``, 8 at 64, 7 at 128, where plain offsets take 12), so a
+    kept value costs 11 bits at the defaults (2-bit codes), plus ``4 (1 + 2^bits)`` bytes per
+    leaf (20 at 2 bits); each device sends its part to the ``n - 1`` others. Against the fp32
+    ring all-reduce, ``2 (n - 1)/n * 4`` bytes per element, the ratio is ``64 / (n d b)`` for a
+    density ``d = top_k / chunk_size^2`` and ``b`` bits a kept value: 372x at ``n = 2`` and the
+    defaults, 93x at ``n = 8`` (gathered parts grow with ``n``). Defaults are the reference
+    class's (``top_k=32``, ``chunk_size=64``, ``error_decay=0.999``, 6 sigma) with the paper's
+    2-bit values; the 72B run used ``top_k=64`` and ``error_decay=0.95``.
 
     All-reduce only (the sparse mean is not cut into rows): ``compressed_pmean`` returns the
     mean above, ``compressed_psum`` ``n`` times it. Use it as DiLoCo's outer compression, with
@@ -109,7 +116,7 @@ class SparseLoCo(Compressor):
 
     Attributes:
       top_k: values kept per ``chunk_size x chunk_size`` tile (>= 1).
-      chunk_size: the largest tile side, 1 to 64 (offsets are coded in 12 bits).
+      chunk_size: the largest tile side, 1 to 64 (offsets are coded in at most 12 bits).
       bits: bits per kept value: 1, 2, 4 or 8.
       error_decay: ``beta`` in ``[0, 1]``.
       quant_range: the quantizer's range in standard deviations (> 0).
@@ -152,7 +159,9 @@ class SparseLoCo(Compressor):
         plans = self.plans(shapes)
         kept = sum(p.kept for p in plans)
         leaves = sum(1 for p in plans if p.kept)
-        return 3 * -(-kept // 2) + -(-kept * self.bits // 8) + 4 * (1 + 2**self.bits) * leaves
+        offset_bits = sum(p.chunks * index_bits(p) for p in plans if p.kept)
+        codes = -(-kept * self.bits // 8)
+        return -(-offset_bits // 8) + codes + 4 * (1 + 2**self.bits) * leaves
 
     def init_bucket_state(self, bucket, axis_size, op):
         if op != "all_reduce":
@@ -186,9 +195,10 @@ class SparseLoCo(Compressor):
             if plan.kept:
                 chunks = to_chunks(e[start : start + plan.size], plan)
                 _, idx = lax.top_k(to_chunks(key[start : start + plan.size], plan), plan.k)
+                idx = wire_order(idx, plan)
                 values = jnp.take_along_axis(chunks, idx, axis=-1).reshape(-1)
                 q, shift, codebook = statistical_quantize(values, self.bits, self.quant_range)
-                offsets.append(idx.reshape(-1))
+                offsets.append(encode_offsets(idx, plan))
                 positions.append(start + chunk_positions(idx, plan).reshape(-1))
                 sent.append(values - (codebook[q] + shift))
                 codes.append(q)
@@ -200,7 +210,7 @@ class SparseLoCo(Compressor):
         fp32_meta = lax.bitcast_convert_type(jnp.concatenate(meta), jnp.uint8).reshape(-1)
         message = jnp.concatenate(
             [
-                pack_uint12(jnp.concatenate(offsets)),
+                pack_bits(jnp.concatenate(offsets)),
                 pack_codes(jnp.concatenate(codes), self.bits),
                 fp32_meta,
             ]
@@ -213,17 +223,20 @@ class SparseLoCo(Compressor):
         kept = sum(p.kept for p in plans)
         bins = 2**self.bits
         n = parts.shape[0]
-        idx_end = 3 * -(-kept // 2)
+        nbits = sum(p.chunks * index_bits(p) for p in plans if p.kept)
+        idx_end = -(-nbits // 8)
         code_end = idx_end + -(-kept * self.bits // 8)
-        offsets = unpack_uint12(parts[:, :idx_end], kept)
+        offset_bits = unpack_bits(parts[:, :idx_end], nbits)
         codes = unpack_codes(parts[:, idx_end:code_end], self.bits, kept)
         meta = parts[:, code_end:].reshape(n, -1, 1 + bins, 4)
         meta = lax.bitcast_convert_type(meta, jnp.float32)
         positions, values = [], []
-        start, at, leaf = 0, 0, 0
+        start, at, leaf, bit = 0, 0, 0, 0
         for plan in plans:
             if plan.kept:
-                off = offsets[:, at : at + plan.kept].reshape(n, plan.chunks, plan.k)
+                width = plan.chunks * index_bits(plan)
+                off = decode_offsets(offset_bits[:, bit : bit + width], plan)
+                bit += width
                 positions.append(start + chunk_positions(off, plan).reshape(n, -1))
                 codebook = meta[:, leaf, 1:]
                 q = codes[:, at : at + plan.kept]

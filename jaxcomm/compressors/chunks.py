@@ -10,8 +10,6 @@ its chunk, below ``h w <= chunk_size^2``.
 
 Wire codes (little-endian bit order):
 
-* :func:`pack_uint12`: two offsets below 4096 in three bytes (``a`` in the first 12 bits, ``b``
-  in the next 12), so an offset costs 12 bits;
 * :func:`pack_codes`: ``8 / bits`` codes of ``bits`` bits per byte, code ``j`` of a byte in its
   bits ``[bits j, bits (j + 1))``;
 * :func:`pack_bits`: a stream of bits, bit ``i`` in bit ``i % 8`` of byte ``i // 8``; the
@@ -101,25 +99,6 @@ def chunk_positions(offsets: jax.Array, plan: ChunkPlan) -> jax.Array:
     row = (t // tiles_per_row) * plan.h + offsets // plan.w
     col = (t % tiles_per_row) * plan.w + offsets % plan.w
     return row * plan.cols + col
-
-
-def pack_uint12(values: jax.Array) -> jax.Array:
-    """``(K,)`` ints in ``[0, 4096)`` -> ``(3 ceil(K / 2),)`` uint8 (a zero is added for odd
-    ``K``)."""
-    v = values.astype(jnp.int32)
-    if v.shape[0] % 2:
-        v = jnp.concatenate([v, jnp.zeros((1,), jnp.int32)])
-    a, b = v[0::2], v[1::2]
-    packed = jnp.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], axis=-1)
-    return packed.reshape(-1).astype(jnp.uint8)
-
-
-def unpack_uint12(packed: jax.Array, count: int) -> jax.Array:
-    """Inverse of :func:`pack_uint12` over the last axis: ``(..., count)`` int32."""
-    p = packed.astype(jnp.int32).reshape(*packed.shape[:-1], -1, 3)
-    a = p[..., 0] | ((p[..., 1] & 0xF) << 8)
-    b = (p[..., 1] >> 4) | (p[..., 2] << 4)
-    return jnp.stack([a, b], axis=-1).reshape(*packed.shape[:-1], -1)[..., :count]
 
 
 def pack_codes(codes: jax.Array, bits: int) -> jax.Array:

@@ -75,7 +75,7 @@ from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.all_reduce import compressed_pmean
 from jaxcomm.comm.state import init_state
 from jaxcomm.compressors import Compressor
-from jaxcomm.optim._skip import all_finite, check_skips
+from jaxcomm.optim._skip import all_finite, check_skips, keep_error_feedback
 from jaxcomm.optim.diloco_background import BackgroundSpec, check_driven, register
 from jaxcomm.optim.diloco_outer import (
     axis_size_of,
@@ -233,14 +233,15 @@ def diloco(
         )
 
     def reduce(delta, comm):
-        if not jax.tree.leaves(comm):  # exact, or no error feedback: nothing to carry
-            out, _ = compressed_pmean(
-                delta, None, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes
-            )
-            return out, comm
-        return compressed_pmean(
-            delta, comm, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes
+        carried = comm if jax.tree.leaves(comm) else None  # exact, or no error feedback
+        mean, new = compressed_pmean(
+            delta, carried, axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes
         )
+        if carried is None:
+            return mean, comm
+        # A mean that is not finite skips its sync: every bucket keeps its error feedback.
+        ok = all_finite(mean)
+        return mean, keep_error_feedback(ok, new, comm, delta, compressor, bucket_bytes)
 
     def varying(tree):
         return jax.tree.map(lambda x: ensure_varying(x, axis_name), tree)

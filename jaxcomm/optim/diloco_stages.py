@@ -129,7 +129,7 @@ def finish(compressor, p: Plan, gathered, workers, servers, comm: ReduceState, n
             finite = jnp.bool_(True)
             for x in (mean, new.worker_error, new.server_error):
                 finite = finite & jnp.all(jnp.isfinite(x))
-            states.append(keep_if(finite, new, old))
+            states.append((new, old))
             bad = bad | ~finite
         else:
             states.append(comm.buckets[k] if comm.buckets else ())
@@ -137,4 +137,6 @@ def finish(compressor, p: Plan, gathered, workers, servers, comm: ReduceState, n
             out[i] = leaf
     if not p.guarded:
         return out, comm
+    # Any bucket not finite skips the whole sync: every bucket keeps its error feedback.
+    states = [keep_if(~bad, new, old) for new, old in states]
     return out, ReduceState(tuple(states), comm.nonfinite + bad.astype(jnp.int32))

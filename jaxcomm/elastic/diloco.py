@@ -41,6 +41,13 @@ def resize_diloco_state(
     untransmitted part of the *mean* outer gradient, ``T / n`` (``T`` the pending sum), is kept,
     as :func:`jaxcomm.reshard_train_state` does. Runs on the host (NumPy). ``compressor``
     and ``bucket_bytes`` as given to :func:`diloco`.
+
+    With ``background=True``, a sync in flight (a state between the step that issues it and
+    the one that merges it) lives in the per-device pending pseudo-gradients, which are
+    averaged like the local copies: the first step on the new devices reissues the sync from
+    them, so it reduces their mean (the exact mean: the outer gradient the ``n`` devices were
+    reducing, within fp32 rounding; a compressed one: that mean re-encoded by the ``m``
+    devices with the resized error feedback).
     """
     compressor = check_compressor(compressor)
     m = check_int("new_axis_size", new_axis_size, 1)

@@ -31,8 +31,10 @@ the step that needs its result: never a silent wrong update.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
+import queue
 import threading
 import weakref
 from typing import Any, NamedTuple
@@ -45,7 +47,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.compressors import Compressor
 from jaxcomm.optim import diloco_stages as stages
-from jaxcomm.optim.diloco_exchange import HostLinks, SyncError, all_gather, all_to_all
+from jaxcomm.optim.diloco_exchange import (
+    HostLinks,
+    SyncError,
+    all_gather,
+    all_to_all,
+    bound_exit,
+)
 from jaxcomm.optim.diloco_state import DiLoCoState, fragment_offsets
 
 PyTree = Any
@@ -65,6 +73,15 @@ class BackgroundSpec(NamedTuple):
 
 _specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _active = threading.local()
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_syncs() -> None:
+    """At exit (before JAX's own exit handler), let the syncs in flight end (each within its
+    ``sync_timeout``; at once after a failure) rather than tear JAX down under their thread."""
+    for sync in list(_live):
+        sync.drain()
 
 
 def register(update_fn, spec: BackgroundSpec) -> None:
@@ -121,6 +138,41 @@ def _find(opt_state) -> DiLoCoState:
     return found[0]
 
 
+# After a failed sync, Python's exit may take this long before the process ends regardless:
+# enough for the surviving processes to meet at jax.distributed's shutdown barrier.
+EXIT_GRACE_S = 10.0
+
+
+class _Runner:
+    """One daemon thread running the syncs in issue order. A daemon, so that a process ending
+    (an error, an interrupt) does not wait for an exchange blocked on a lost peer."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="jaxcomm-diloco-sync")
+            self._thread.daemon = True
+            self._thread.start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as err:  # noqa: BLE001 (re-raised by the merging step)
+                    future.set_exception(err)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
 class _Fragment:
     """The three stage programs of one fragment (compiled on first use)."""
 
@@ -170,11 +222,13 @@ class BackgroundSync:
         self.n = int(mesh.shape[axis_name])
         self.offsets = fragment_offsets(spec.sync_every, spec.fragments)
         self._links = HostLinks(spec.sync_timeout)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxcomm-diloco-sync")
+        self._runner = _Runner()
         self._programs: dict[int, _Fragment] = {}
         self._inflight: dict[int, tuple[int, concurrent.futures.Future]] = {}
         self._last: Any = None
         self._count = 0
+        self._failed = False
+        _live.add(self)
         axis = list(mesh.axis_names).index(axis_name)
         devices = np.moveaxis(mesh.devices, axis, 0).reshape(self.n, -1)
         owners = [{d.process_index for d in row} for row in devices]
@@ -226,7 +280,7 @@ class BackgroundSync:
         programs = self._programs[f]
         # Dispatched now, before the next step can donate the state it reads.
         wires, workers, comm = programs.worker(pending, comm)
-        future = self._pool.submit(self._exchange, programs, wires, workers, comm)
+        future = self._runner.submit(self._exchange, programs, wires, workers, comm)
         self._inflight[f] = (t_i, future)
 
     def _rows(self, arrays) -> dict[int, list[np.ndarray]]:
@@ -241,6 +295,13 @@ class BackgroundSync:
         return rows
 
     def _exchange(self, programs: _Fragment, wires, workers, comm):
+        try:
+            return self._exchange_once(programs, wires, workers, comm)
+        except SyncError:
+            self._fail()  # the peers' exchanges fail now, not at their sync_timeout
+            raise
+
+    def _exchange_once(self, programs: _Fragment, wires, workers, comm):
         flat, treedef = jax.tree.flatten(wires)
         received = all_to_all(self._links, self._rows(flat), self.owner, self.me)
 
@@ -264,16 +325,17 @@ class BackgroundSync:
         timeout = self.spec.sync_timeout
         try:
             mean, comm = future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError as err:
+        except (concurrent.futures.TimeoutError, SyncError) as err:
+            self._fail()
+            if isinstance(err, SyncError):
+                raise SyncError(
+                    f"jaxcomm: DiLoCo's background sync of fragment {f} (issued at step {t_i}) "
+                    f"failed: {err}"
+                ) from err
             raise SyncError(
                 f"jaxcomm: DiLoCo's background sync of fragment {f} (issued at step {t_i}) did "
                 f"not finish within sync_timeout={timeout:g} s: a process hung or the link is "
                 "too slow; stopping instead of merging a stale outer gradient"
-            ) from err
-        except SyncError as err:
-            raise SyncError(
-                f"jaxcomm: DiLoCo's background sync of fragment {f} (issued at step {t_i}) "
-                f"failed: {err}"
             ) from err
         diloco = _find(state.opt_state)
         inflight, comms = list(diloco.inflight), list(diloco.comm)
@@ -281,6 +343,20 @@ class BackgroundSync:
         opt_state = _replace_diloco(state.opt_state, inflight=tuple(inflight), comm=tuple(comms))
         return state._replace(opt_state=opt_state)
 
+    def _fail(self) -> None:
+        """A sync failed: tell the peers (closed connections) and bound this process's exit."""
+        self._failed = True
+        bound_exit(EXIT_GRACE_S)
+        self.close()
+
+    def drain(self) -> None:
+        """Wait for the syncs in flight (none after a failure), each up to ``sync_timeout``."""
+        for _, future in list(self._inflight.values()):
+            if self._failed:
+                break
+            with contextlib.suppress(Exception):
+                future.result(timeout=self.spec.sync_timeout)
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._runner.close()
         self._links.close()

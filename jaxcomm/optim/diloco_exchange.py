@@ -15,9 +15,13 @@ sync whose peer died or hangs fails within bounded time with a :class:`SyncError
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
+import os
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Sequence
 
@@ -70,6 +74,7 @@ class HostLinks:
         self.timeout = float(timeout)
         self._tag = next(_instances)
         self._socks: dict[int, socket.socket] | None = None
+        self.sent_bytes = 0  # payload and length prefixes sent so far, all peers together
 
     def _connect(self) -> dict[int, socket.socket]:
         state = distributed_global_state()
@@ -114,6 +119,7 @@ class HostLinks:
         """Send ``messages[peer]`` to each peer and receive theirs (length-prefixed)."""
         if self._socks is None:
             self._socks = self._connect()
+        self.sent_bytes += sum(8 + len(data) for data in messages.values())
         errors: list[BaseException] = []
 
         def send(peer: int, data: bytes) -> None:
@@ -151,9 +157,46 @@ class HostLinks:
         return received
 
     def close(self) -> None:
+        """Close every connection; a thread blocked in a receive on one of them wakes with an
+        error, and the peers' next receive fails at once (they learn of the failure)."""
         for sock in (self._socks or {}).values():
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
             sock.close()
         self._socks = None
+
+
+_exit_grace: list[float] = []
+
+
+def bound_exit(seconds: float) -> None:
+    """After a failed sync, end this process at most ``seconds`` after Python starts exiting.
+
+    ``jax.distributed``'s shutdown (run at exit) waits at a barrier for every process, the lost
+    one included, until its heartbeat or shutdown timeout (minutes) and then aborts; a process
+    whose sync failed skips what is left of it and exits with status 1.
+    """
+    if not _exit_grace:
+        atexit.register(_start_exit_watchdog)  # runs before JAX's exit handler (registered first)
+    _exit_grace[:] = [float(seconds)]
+
+
+def _start_exit_watchdog() -> None:
+    seconds = _exit_grace[0]
+
+    def expire() -> None:
+        sys.stderr.write(
+            f"jaxcomm: exiting without jax.distributed's shutdown, which still waited for the "
+            f"process lost in a DiLoCo sync after {seconds:g} s\n"
+        )
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
 
 
 def _pack(parts: Sequence[np.ndarray]) -> bytes:

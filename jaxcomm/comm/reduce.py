@@ -79,7 +79,7 @@ def reduce_tree(
     # A compressor that computes in the (1, *local) block layout gets the blocks themselves, so
     # that XLA updates the donated buffers in place (a squeeze and its inverse around the update
     # cost a fresh buffer and a copy per state leaf on XLA:CPU).
-    blocks = local is not state and not scatter and compressor.takes_state_blocks
+    blocks = local is not state and not scatter and compressor._takes_state_blocks
     bucket_states = state.buckets if blocks else checked.buckets
     finites, mean_finites = [], []
 

@@ -39,48 +39,38 @@ StateOp = Literal["all_reduce", "reduce_scatter"]
 
 _PER_DEVICE: list[type] = []
 _PER_DEVICE_PARAMS: list[type] = []
-_BLOCKS: list[type] = []
 
 
-def per_device(cls: type | None = None, *, params: bool = False, blocks: bool = False):
+def per_device(cls: type | None = None, *, params: bool = False, _blocks: bool = False):
     """Class decorator: values of this (``NamedTuple``) type are private to each device.
 
     ``@per_device``: the node's leaves are per-device (error feedback, local moments): they are
     sharded over the data axis by :func:`jaxcomm.state_partition_specs`. ``@per_device(params=
     True)``: the optimizer state also keeps the parameters per device between syncs (0/1 Adam's
-    local steps), so the train state's params are per-device too. ``blocks=True``:
-    :func:`jaxcomm.local_view` leaves the node's leaves as the ``(1, *local)`` blocks that
-    ``shard_map`` hands them (the code that reads them takes either layout): updated in that
-    layout, XLA writes the donated buffers in place, where through a squeeze and back it writes
-    a fresh buffer and copies it (XLA:CPU's in-place rule does not see through a reshape).
+    local steps), so the train state's params are per-device too.
     """
+    # Private hook (_blocks): jaxcomm.train.layout.local_view leaves the type's (1, *local)
+    # blocks as they are (its code reads either layout), so XLA:CPU updates them in place.
 
     def mark(c: type) -> type:
         registry = _PER_DEVICE_PARAMS if params else _PER_DEVICE
         if c not in registry:
             registry.append(c)
-        if blocks and c not in _BLOCKS:
-            _BLOCKS.append(c)
+        if _blocks:
+            setattr(c, "_keeps_blocks", True)  # noqa: B010 (NamedTuple bodies take only fields)
         return c
 
     return mark if cls is None else mark(cls)
 
 
-def register_per_device_type(
-    cls: type, *, params_per_device: bool = False, blocks: bool = False
-) -> None:
+def register_per_device_type(cls: type, *, params_per_device: bool = False) -> None:
     """Function form of :func:`per_device` (for types defined outside jaxcomm)."""
-    per_device(cls, params=params_per_device, blocks=blocks)
+    per_device(cls, params=params_per_device)
 
 
 def per_device_types(*, params: bool = False) -> tuple[type, ...]:
     """The registered per-device types (``params=True``: those with per-device params)."""
     return tuple(_PER_DEVICE_PARAMS if params else _PER_DEVICE)
-
-
-def block_types() -> tuple[type, ...]:
-    """The per-device types registered with ``blocks=True`` (kept as blocks by ``local_view``)."""
-    return tuple(_BLOCKS)
 
 
 def is_per_device(node: Any) -> bool:
@@ -96,7 +86,7 @@ def holds_per_device_params(node: Any) -> bool:
 # -- state types -----------------------------------------------------------------------------
 
 
-@per_device(blocks=True)
+@per_device(_blocks=True)
 class ReduceState(NamedTuple):
     """Error feedback of :func:`compressed_psum` / :func:`compressed_pmean`, one per bucket.
 
@@ -110,7 +100,7 @@ class ReduceState(NamedTuple):
     nonfinite: Any = ()
 
 
-@per_device(blocks=True)
+@per_device(_blocks=True)
 class ScatterState(NamedTuple):
     """Error feedback of :func:`compressed_psum_scatter`, one entry per bucket; ``nonfinite``
     as in :class:`ReduceState`."""

@@ -52,12 +52,10 @@ class Compressor(abc.ABC):
     #: ``"concatenated"`` ``(N,)`` (a compressor that reduces the whole bucket, as PowerSGD).
     scatter_layout: str = "rank_major"
 
-    #: True when :meth:`all_reduce_bucket` and :meth:`guarded_all_reduce_bucket` also take state
-    #: leaves as ``(1, *local)`` blocks (the layout ``shard_map`` hands a per-device state in)
-    #: and return them in it. XLA:CPU updates a donated buffer in place only when the update
-    #: keeps its shape, so computing in the block layout saves a copy and a fresh buffer per
-    #: state leaf on every step.
-    takes_state_blocks: bool = False
+    # Private hook: all_reduce_bucket and guarded_all_reduce_bucket also take and return state
+    # leaves as the (1, *local) blocks shard_map hands them, so that XLA:CPU updates the donated
+    # buffers in place (through a squeeze and back it writes a fresh buffer and copies it).
+    _takes_state_blocks: bool = False
 
     #: True when a guarded bucket's fp32 output is NaN everywhere when the guard finds it not
     #: finite, and finite everywhere otherwise (OneBit: ``scale * sign``, or NaN). One element

@@ -151,7 +151,7 @@ class OneBit(TwoStageFeedback):
     """
 
     returns_mean = True
-    takes_state_blocks = True
+    _takes_state_blocks = True
     output_decides_finite = True  # the guarded decoding: NaN, or scale * sign (finite scales)
 
     def finite_probe(self, output, state) -> list[jax.Array]:

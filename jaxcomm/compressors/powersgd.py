@@ -103,7 +103,7 @@ class PowerSGD(Compressor):
 
     returns_mean = True
     scatter_layout = "concatenated"
-    takes_state_blocks = True
+    _takes_state_blocks = True
 
     def __post_init__(self):
         if not isinstance(self.rank, int | np.integer) or self.rank < 1:
@@ -169,7 +169,7 @@ class PowerSGD(Compressor):
         plan = self.leaf_plan(bucket.shapes)
         low = [leaf for leaf in plan if leaf.rank]
         exact = [leaf for leaf in plan if not leaf.rank]
-        # State leaves arrive as (1, *local) blocks inside shard_map (takes_state_blocks).
+        # State leaves arrive as (1, *local) blocks inside shard_map (_takes_state_blocks).
         q_state = state.q.reshape(-1)
         comp = flat + state.error.reshape(-1) if self.error_feedback else flat
         eps = self.orthogonalization_epsilon

@@ -252,9 +252,9 @@ def diloco(
         if background:
             check_driven()
         if jnp.ndim(state.local.nonfinite) == 1:
-            # Inside jc.local_view the per-device leaves are (1, ...) blocks (DiLoCoLocal is
-            # registered with blocks=True): the inner optimizer runs under vmap over that axis,
-            # so it sees its usual shapes and XLA updates its donated state in place.
+            # Inside jc.local_view the per-device leaves are (1, ...) blocks (DiLoCoLocal's
+            # private _blocks hook): the inner optimizer runs under vmap over that axis, so it sees
+            # its usual shapes and XLA updates its donated state in place.
             def block(tree):
                 return jax.tree.map(lambda x: jnp.reshape(x, (1, *jnp.shape(x))), tree)
 

@@ -22,7 +22,7 @@ from jaxcomm.compressors import Compressor, NoCompression
 PyTree = Any
 
 
-@per_device(blocks=True)  # private to each device; (1, ...) blocks inside jc.local_view
+@per_device(_blocks=True)  # private to each device
 class DiLoCoLocal(NamedTuple):
     """DiLoCo's per-device leaves besides the parameters (inside ``jc.local_view`` every leaf
     is a ``(1, *shape)`` block, which :func:`jaxcomm.diloco` updates in place, running the inner

@@ -40,7 +40,7 @@ from jaxcomm.optim._zero_one_step import ZeroOneStep, intervals
 from jaxcomm.optim.schedule import phase
 
 
-@per_device(blocks=True)
+@per_device(_blocks=True)
 class LocalState(NamedTuple):
     """0/1 Adam's per-device leaves (they differ between devices between synchronisations).
 

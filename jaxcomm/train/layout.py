@@ -31,7 +31,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.comm.state import block_types, holds_per_device_params, is_per_device
+from jaxcomm.comm.state import holds_per_device_params, is_per_device
 
 PyTree = Any
 
@@ -45,14 +45,14 @@ class TrainState(NamedTuple):
 
 
 def _map_by_kind(
-    state: PyTree, per_device: Callable, replicated: Callable, keep: tuple[type, ...] = ()
+    state: PyTree, per_device: Callable, replicated: Callable, keep_blocks: bool = False
 ) -> PyTree:
     """Apply ``per_device`` to leaves inside per-device nodes, ``replicated`` to all others
-    (per-device nodes of a ``keep`` type are left as they are)."""
+    (``keep_blocks``: per-device nodes whose type sets ``_keeps_blocks`` are left as they are)."""
 
     def visit(node):
         if is_per_device(node):
-            if isinstance(node, keep):
+            if keep_blocks and getattr(type(node), "_keeps_blocks", False):
                 return node
             return jax.tree.map(per_device, node)
         return replicated(node)
@@ -114,13 +114,13 @@ def train_state_specs(state: TrainState, axis_name: str) -> TrainState:
     )
 
 
-def _rows(tree: PyTree, fn: Callable, keep: tuple[type, ...] = ()) -> PyTree:
+def _rows(tree: PyTree, fn: Callable, keep_blocks: bool = False) -> PyTree:
     """Apply ``fn`` to the per-device leaves (and per-device parameters of a TrainState)."""
     if isinstance(tree, TrainState):
         per_dev = params_are_per_device(tree.opt_state)
         params = jax.tree.map(fn, tree.params) if per_dev else tree.params
-        return TrainState(params, _rows(tree.opt_state, fn, keep))
-    return _map_by_kind(tree, fn, lambda x: x, keep)
+        return TrainState(params, _rows(tree.opt_state, fn, keep_blocks))
+    return _map_by_kind(tree, fn, lambda x: x, keep_blocks)
 
 
 def stack_per_device(local_state: PyTree, n: int) -> PyTree:
@@ -135,17 +135,17 @@ def stack_per_device(local_state: PyTree, n: int) -> PyTree:
 def local_view(state: PyTree) -> PyTree:
     """Inside ``shard_map``: per-device leaves arrive as ``(1, *local)`` blocks; drop that axis.
 
-    States of the types registered with ``per_device(blocks=True)`` stay blocks (the error
-    feedback ``jc.ReduceState`` / ``jc.ScatterState``, 0/1 Adam's ``jc.LocalState``): the code
-    that reads them takes either layout, and in the block layout XLA updates the donated buffers
-    in place (squeezed and back, XLA:CPU writes a fresh buffer and copies it).
+    jaxcomm's own per-device states (error feedback, 0/1 Adam's and DiLoCo's local states) keep
+    their blocks: pass them to jaxcomm as they are.
     """
-    return _rows(state, lambda x: x[0], block_types())
+    # Private hook: types marked per_device(_blocks=True) are read in either layout by their
+    # code; in blocks, XLA:CPU updates the donated buffers in place (squeezed and back, it copies).
+    return _rows(state, lambda x: x[0], keep_blocks=True)
 
 
 def global_view(state: PyTree) -> PyTree:
     """Inverse of :func:`local_view`, before returning a state from the ``shard_map`` body."""
-    return _rows(state, lambda x: x[None], block_types())
+    return _rows(state, lambda x: x[None], keep_blocks=True)
 
 
 def init_opt_state(tx: optax.GradientTransformation, params: PyTree, axis_name: str, n: int):

@@ -22,8 +22,9 @@ test: venv
 
 # The inner loop (a few minutes): layering, the README, placement and phases, wire-byte parsing.
 test-fast: venv
-	$(PY) -m pytest -q -x tests/test_package.py tests/test_readme.py tests/test_train_step.py \
-		tests/test_hlo.py tests/test_donation.py tests/test_powersgd.py tests/test_overlap.py
+	$(PY) -m pytest -q -x tests/test_package.py tests/docs/test_readme.py \
+		tests/train/test_train_step.py tests/inspect/test_hlo.py tests/train/test_donation.py \
+		tests/compressors/test_powersgd.py tests/runtime/test_overlap.py
 
 # Compiles a bucketed OneBit mean for TPU v5e with libtpu's compiler (no TPU needed), in a venv
 # of its own (jax[tpu] adds libtpu, about 0.7 GB); fails, not skips, without libtpu.
@@ -35,7 +36,7 @@ $(TPU_VENV)/.installed: pyproject.toml
 
 test-aot: $(TPU_VENV)/.installed
 	JAXCOMM_REQUIRE_TPU_COMPILE=1 ALLOW_MULTIPLE_LIBTPU_LOAD=1 \
-		$(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_aot_tpu.py
+		$(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integration/test_aot_tpu.py
 
 lint: venv
 	$(VENV)/bin/ruff check jaxcomm tests benchmarks examples .ci

@@ -4,8 +4,9 @@ Every figure a user reads comes from a results file that records how it was meas
 command, the jaxcomm and JAX versions, the machine, the date; see ``provenance()`` in
 ``_two_ranks.py``). This script reads those files and rewrites the text between the marker
 comments ``<!-- BEGIN generated: NAME -->`` and ``<!-- END generated: NAME -->``; a field a
-file does not record is shown as "not recorded", never filled in. ``tests/test_docs_tables.py``
-checks that the committed pages equal what this renders from the committed files.
+file does not record is shown as "not recorded", never filled in.
+``tests/docs/test_docs_tables.py`` checks that the committed pages equal what this renders from
+the committed files.
 
 Usage::
 

@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import NUM_DEVICES
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
+from tests.conftest import NUM_DEVICES
 
 N = NUM_DEVICES
 

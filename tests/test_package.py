@@ -213,3 +213,25 @@ def test_no_file_over_the_line_limit():
         and len(p.read_text().splitlines()) > MAX_LINES
     )
     assert not over, f"files over {MAX_LINES} lines (split them): {over}"
+
+
+# -- tests/ mirrors the package ---------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+# Folders with no subpackage of their own: NumPy reference models, multi-process runs (hangs,
+# faults, soaks), and the README, docs pages and examples.
+TEST_ONLY_FOLDERS = {"reference", "integration", "docs"}
+
+
+def test_tests_mirror_the_package():
+    subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    folders = {
+        p.name for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))
+    }
+    assert folders - TEST_ONLY_FOLDERS == subpackages, (
+        f"one tests/ folder per jaxcomm/ subpackage: missing {sorted(subpackages - folders)}, "
+        f"extra {sorted(folders - TEST_ONLY_FOLDERS - subpackages)}"
+    )
+    # Test files import each other and the reference models as tests.<folder>.<module>.
+    no_init = sorted(f for f in folders if not (TESTS / f / "__init__.py").exists())
+    assert not no_init, f"add an __init__.py to tests/{no_init[0]}/"

@@ -1,0 +1,172 @@
+"""jc.diloco(background=True): the outer sync on a host thread gives the single-program result.
+
+The reference is the single-program ``overlap_steps=tau`` (whose own reference is the NumPy
+model of ``test_diloco.py``) and, for the exact mean, that NumPy model itself. The compressed
+chains run the compressor's own arithmetic in both paths and only move bytes in between, so
+they must agree bit for bit; the exact mean sums the devices' chunks in device order, as
+``lax.psum`` does on XLA:CPU.
+"""
+
+import time
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jaxcomm as jc
+from jaxcomm.optim import diloco_background
+from jaxcomm.optim.diloco_exchange import SyncError
+from tests.optim.test_diloco import (
+    HYPER,
+    check_against,
+    loss_fn,
+    make_batches,
+    make_params,
+    make_tx,
+)
+from tests.optim.test_diloco import numpy_streaming as numpy_reference
+
+
+def _tx(background, compressor, H, F, tau, **kw):
+    return jc.diloco(
+        optax.adam(0.01),
+        optax.sgd(0.7, momentum=0.9, nesterov=True),
+        H,
+        "dp",
+        compressor=compressor,
+        fragments=F,
+        overlap_steps=tau,
+        background=background,
+        **kw,
+    )
+
+
+def _run(mesh, tx, batches, state=None, step=None):
+    if step is None:
+        step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
+    for batch in batches:
+        state, _ = step(state, batch)
+    return state
+
+
+def _without_pending(state):
+    """Every leaf but DiLoCo's pending pseudo-gradients (which only the background path has)."""
+    diloco = state.opt_state
+    local = diloco.local._replace(pending=())
+    return jax.tree.leaves(state._replace(opt_state=diloco._replace(local=local)))
+
+
+@pytest.mark.parametrize(
+    "compressor, H, F, tau",
+    [
+        (jc.Quantize(bits=4, error_feedback=True), 6, 1, 3),
+        (jc.Quantize(bits=8, error_feedback=True), 8, 2, 3),
+        (jc.Quantize(bits=4), 6, 2, 2),
+        (jc.Cast(), 4, 1, 2),
+    ],
+    ids=["int4-ef", "int8-ef-F2", "int4-no-ef-F2", "bf16"],
+)
+def test_background_equals_the_single_program_bit_for_bit(mesh, compressor, H, F, tau):
+    batches = make_batches(3 * H)  # ends between syncs: nothing in flight
+    want = _run(mesh, _tx(False, compressor, H, F, tau), batches)
+    got = _run(mesh, _tx(True, compressor, H, F, tau), batches)
+    for a, b in zip(_without_pending(got), _without_pending(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if getattr(compressor, "error_feedback", False):
+        assert int(np.asarray(got.opt_state.comm[0].nonfinite).sum()) == 0
+        worker = np.asarray(got.opt_state.comm[0].buckets[0].worker_error)
+        assert np.abs(worker).max() > 0  # the error feedback did move
+
+
+@pytest.mark.parametrize("H, F, tau", [(6, 1, 3), (6, 2, 2)], ids=["F1-tau3", "F2-tau2"])
+def test_exact_background_matches_numpy(mesh, H, F, tau):
+    params, batches = make_params(), make_batches(13)
+    state = _run(mesh, make_tx(H, fragments=F, overlap_steps=tau, background=True), batches)
+    theta, xs = numpy_reference(params, batches, H=H, F=F, tau=tau, alpha=0.0, **HYPER)
+    check_against(state, theta, xs)
+
+
+def test_checkpoint_mid_flight_resumes_bit_for_bit(mesh, tmp_path):
+    # H=8, F=2, tau=3: fragment 0 syncs after step 4, is issued in step 5 and merged in step
+    # 7: states after steps 5 and 6 are mid-flight (pending holds the pseudo-gradients).
+    tx = _tx(True, jc.Quantize(bits=8, error_feedback=True), 8, 2, 3)
+    batches = make_batches(12)
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
+    checkpointer = ocp.StandardCheckpointer()
+    saved = {}
+    for t, batch in enumerate(batches, start=1):
+        state, _ = step(state, batch)
+        if t in (5, 6):
+            saved[t] = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+            checkpointer.save(tmp_path / f"step{t}", state)
+            checkpointer.wait_until_finished()
+            assert np.abs(np.asarray(state.opt_state.local.pending[0][0])).max() > 0
+    final = jax.tree.map(np.asarray, state)
+    for t, abstract in saved.items():
+        restored = checkpointer.restore(tmp_path / f"step{t}", abstract)
+        # A new process: a new step, which reissues the sync in flight from the state.
+        fresh, _ = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
+        restored = _run(mesh, tx, batches[t:], restored, fresh)
+        for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(final), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), want)
+    checkpointer.close()
+
+
+def test_a_failed_exchange_stops_the_step_that_needs_it(mesh, monkeypatch):
+    def broken(*args, **kw):
+        raise SyncError("jaxcomm: process 1 closed its connection during a DiLoCo sync")
+
+    monkeypatch.setattr(diloco_background, "all_to_all", broken)
+    tx = _tx(True, jc.Quantize(bits=4, error_feedback=True), 4, 1, 2)
+    with pytest.raises(SyncError, match=r"fragment 0 \(issued at step 5\) failed: .*closed"):
+        _run(mesh, tx, make_batches(8))
+
+
+def test_a_hung_exchange_times_out(mesh, monkeypatch):
+    release = []
+
+    def hung(*args, **kw):
+        while not release:
+            time.sleep(0.05)
+        raise SyncError("released")
+
+    monkeypatch.setattr(diloco_background, "all_to_all", hung)
+    tx = _tx(True, jc.Quantize(bits=4, error_feedback=True), 4, 1, 2, sync_timeout=1.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(SyncError, match="did not finish within sync_timeout=1 s"):
+            _run(mesh, tx, make_batches(8))
+    finally:
+        release.append(True)
+    assert time.monotonic() - start < 60
+
+
+def test_bad_input_is_refused(mesh):
+    inner, outer = optax.sgd(0.1), optax.sgd(1.0)
+    with pytest.raises(ValueError, match="overlap_steps >= 2"):
+        jc.diloco(inner, outer, 8, "dp", overlap_steps=1, background=True)
+    with pytest.raises(ValueError, match="compressor=None, jc.Quantize and jc.Cast"):
+        jc.diloco(inner, outer, 8, "dp", jc.TopK(0.1), overlap_steps=2, background=True)
+    with pytest.raises(ValueError, match="sync_timeout"):
+        jc.diloco(inner, outer, 8, "dp", overlap_steps=2, background=True, sync_timeout=0)
+    tx = jc.diloco(inner, outer, 8, "dp", overlap_steps=2, background=True)
+    step, state = jc.make_pmap_train_step("dp", loss_fn, tx, make_params())
+    with pytest.raises(ValueError, match="through that step"):
+        step(state, make_batches(1)[0])
+
+
+def test_local_metrics_are_each_devices_loss(mesh):
+    """``mean_metrics=False``: the step's loss is each device's own, on its rows and its local
+    parameters (no all-reduce in the inner steps)."""
+    tx = _tx(True, jc.Quantize(bits=4, error_feedback=True), 4, 1, 2)
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params(), mean_metrics=False)
+    for x, y in make_batches(6):
+        b, w = (np.asarray(p, np.float64) for p in jax.tree.leaves(state.params))
+        state, losses = step(state, (x, y))
+        assert losses.shape == (8,)
+        for r in range(8):
+            rows = slice(r * 2, (r + 1) * 2)
+            want = np.mean((x[rows] @ w[r] + b[r] - y[rows]) ** 2)
+            np.testing.assert_allclose(float(losses[r]), want, rtol=1e-5)

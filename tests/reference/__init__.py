@@ -1,0 +1,1 @@
+"""NumPy reference models, written from the papers and upstream code."""

@@ -229,33 +229,25 @@ def run(
     return rows
 
 
+def _number(parser: argparse.ArgumentParser, flag: str, default: int | float, what: str) -> None:
+    """An int or float option whose help ends with its default."""
+    shown = f"{default:g}" if isinstance(default, float) else str(default)
+    parser.add_argument(flag, type=type(default), default=default, help=f"{what} ({shown})")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``jaxcomm demo`` options (every default is in its help text)."""
     d = DemoConfig()
-    parser.add_argument(
-        "--steps", type=int, default=d.steps, help=f"training steps per method ({d.steps})"
-    )
-    parser.add_argument(
-        "--devices", type=int, default=d.devices,
-        help=f"simulated CPU devices in one process ({d.devices})",
-    )
-    parser.add_argument(
-        "--batch", type=int, default=d.batch_per_device,
-        help=f"windows per device per step ({d.batch_per_device})",
-    )
-    parser.add_argument(
-        "--lr", type=float, default=d.learning_rate,
-        help=f"learning rate of the Adam variants ({d.learning_rate:g})",
-    )
-    parser.add_argument(
-        "--lamb-lr", type=float, default=d.lamb_learning_rate,
-        help=f"learning rate of onebit_lamb ({d.lamb_learning_rate:g})",
-    )
-    parser.add_argument(
-        "--warmup-fraction", type=float, default=d.warmup_fraction,
-        help=f"share of the steps with exact communication before compression "
-        f"({d.warmup_fraction:g})",
-    )
+    for flag, default, what in (
+        ("--steps", d.steps, "training steps per method"),
+        ("--devices", d.devices, "simulated CPU devices in one process"),
+        ("--batch", d.batch_per_device, "windows per device per step"),
+        ("--lr", d.learning_rate, "learning rate of the Adam variants"),
+        ("--lamb-lr", d.lamb_learning_rate, "learning rate of onebit_lamb"),
+        ("--warmup-fraction", d.warmup_fraction,
+         "share of the steps with exact communication before compression"),
+    ):
+        _number(parser, flag, default, what)
     parser.add_argument(
         "--methods", default=",".join(d.methods), metavar="M1,M2,...",
         help=f"comma-separated optimizers to compare, from: {', '.join(METHODS)} "
@@ -274,7 +266,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--json alone: print the results as JSON on stdout (the table goes to stderr); "
         "--json PATH: also write them to PATH",
     )
-    parser.add_argument("--seed", type=int, default=d.seed, help=f"random seed ({d.seed})")
+    _number(parser, "--seed", d.seed, "random seed")
     parser.add_argument(
         "--distributed",
         action="store_true",

@@ -65,7 +65,7 @@ def init_hierarchical_state(
     return init_state(compressor, shards, axis_size=outer_size, bucket_bytes=bucket_bytes)
 
 
-def _hierarchical(tree, state, *, inner_axis, outer_axis, compressor, bucket_bytes, mean):
+def _hierarchical(tree, state, inner_axis, outer_axis, compressor, bucket_bytes, mean: bool):
     exact = NoCompression()
     leaves, treedef = jax.tree.flatten(tree)
     # Integer and bool leaves are summed exactly on both hops, as the flat collectives do (bool
@@ -129,15 +129,7 @@ def hierarchical_psum(
       >>> bool(jnp.abs(total[0, 0] - exact).max() < 0.02 * jnp.abs(exact).max())  # int8 rounding
       True
     """
-    return _hierarchical(
-        tree,
-        state,
-        inner_axis=inner_axis,
-        outer_axis=outer_axis,
-        compressor=compressor,
-        bucket_bytes=bucket_bytes,
-        mean=False,
-    )
+    return _hierarchical(tree, state, inner_axis, outer_axis, compressor, bucket_bytes, mean=False)
 
 
 def hierarchical_pmean(
@@ -158,12 +150,4 @@ def hierarchical_pmean(
     from :func:`init_hierarchical_state` of a tree with integer leaves fits (their buckets
     carry no state).
     """
-    return _hierarchical(
-        tree,
-        state,
-        inner_axis=inner_axis,
-        outer_axis=outer_axis,
-        compressor=compressor,
-        bucket_bytes=bucket_bytes,
-        mean=True,
-    )
+    return _hierarchical(tree, state, inner_axis, outer_axis, compressor, bucket_bytes, mean=True)

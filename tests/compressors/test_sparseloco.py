@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm as jc
 from jaxcomm.inspect import collectives_in_hlo, wire_bytes
 from tests.conftest import NUM_DEVICES
+from tests.reference.offsets_reference import offset_bits
 from tests.reference.sparseloco_reference import SparseLoCoModel
 
 N = NUM_DEVICES
@@ -89,8 +90,9 @@ def test_error_feedback_identity(mesh):
             np.testing.assert_allclose(lhs, rhs, rtol=0, atol=4 * N * EPS * (t + 2) * 4.0)
 
 
-def test_one_kept_value_costs_14_bits_on_the_wire(mesh):
-    """One all-gather of uint8; from the HLO, each extra kept value costs 12 + 2 bits per peer."""
+def test_one_kept_value_costs_10_bits_on_the_wire(mesh):
+    """One all-gather of uint8; from the HLO, each extra kept value costs 8 + 2 bits per peer
+    (64 of 4096 offsets in Elias-Fano: 64 x 7 + 64 bits)."""
     comp = jc.SparseLoCo(top_k=64)
     measured = {}
     for rows in (64, 128):  # 1 or 2 tiles of 64x64: 64 or 128 kept values, one leaf each
@@ -102,9 +104,10 @@ def test_one_kept_value_costs_14_bits_on_the_wire(mesh):
         assert wire_bytes(text) == (N - 1) * comp.message_bytes([shapes["w"]])
         measured[rows] = wire_bytes(text)
     per_value = (measured[128] - measured[64]) / (N - 1) / 64
-    assert per_value == 1.75  # bytes: a 12-bit offset and a 2-bit code
-    # 64 values: 96 bytes of offsets, 16 of codes, 20 of shift and codebook.
-    assert measured[64] == (N - 1) * (96 + 16 + 20)
+    assert per_value == 1.25  # bytes: an 8-bit offset and a 2-bit code
+    # 64 values: 64 bytes of offsets, 16 of codes, 20 of shift and codebook.
+    assert offset_bits(4096, 64) == 512
+    assert measured[64] == (N - 1) * (64 + 16 + 20)
 
 
 @pytest.mark.parametrize(
@@ -189,8 +192,9 @@ def _sparseloco_diloco(mesh, params, specialize_phases=True):
 
 def test_diloco_comms_report_shows_the_sparse_parts_at_their_analytic_cost(mesh):
     """jc.comms_report of DiLoCo's sync program: the outer gradient leaves as one uint8
-    all-gather (nothing flagged against uint8) costing 12 + 2 bits per kept value plus 20 bytes
-    of shift and codebook per leaf, to each of the n - 1 others: >= 100x fewer than the fp32
+    all-gather (nothing flagged against uint8) costing the offsets' code (the NumPy model's) and
+    2 bits per kept value plus 20 bytes of shift and codebook per leaf, to each of the n - 1
+    others: >= 100x fewer than the fp32
     DiLoCo sync's all-reduce of the same parameters (ring: 2 (n - 1)/n x 4 bytes an element)."""
     shapes = {"w": (64, 128), "b": (128,)}
     params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
@@ -201,7 +205,8 @@ def test_diloco_comms_report_shows_the_sparse_parts_at_their_analytic_cost(mesh)
     gathers = [r for r in report.rows if r.op == "all-gather"]
     assert [(r.dtype, r.count) for r in gathers] == [("u8", 1)]
     kept = 2 * 64 + 2 * 1  # w: 2 tiles of 64x64 keep 64 each; b: 2 chunks of 64 keep 1 each
-    analytic = 3 * -(-kept // 2) + -(-kept * 2 // 8) + 20 * 2
+    bits = 2 * offset_bits(4096, 64) + 2 * offset_bits(64, 1)
+    analytic = -(-bits // 8) + -(-kept * 2 // 8) + 20 * 2
     assert gathers[0].wire_bytes == (N - 1) * analytic
     # The rest: the loss mean and the skip counters' int32 max, a few bytes.
     assert report.wire_bytes - gathers[0].wire_bytes <= 64

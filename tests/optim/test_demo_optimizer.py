@@ -20,6 +20,7 @@ from jaxcomm.inspect import collectives_in_hlo, wire_bytes
 from jaxcomm.optim.demo import message_bytes
 from tests.conftest import NUM_DEVICES
 from tests.reference.demo_reference import DemoModel, tiles
+from tests.reference.offsets_reference import offset_bits
 
 N = NUM_DEVICES
 EPS = float(np.finfo(np.float32).eps)
@@ -117,22 +118,38 @@ def test_bf16_parameters():
         check_params(state.params, want, u, t, atol=1e-30)
 
 
-@pytest.mark.parametrize("value_dtype, per_value", [(jnp.float32, 5.5), (jnp.bfloat16, 3.5)])
-def test_one_kept_value_costs_12_bits_and_its_value_on_the_wire(value_dtype, per_value):
-    """One all-gather of uint8; each extra kept value costs a 12-bit offset and its value."""
+# A 64x64 tile keeping 16: Elias-Fano offsets, 16 x 9 + 16 bits (10 a value); a vector chunk of
+# 64 keeping 16: a 64-bit mask (4 a value). Then the value in fp32 or bf16.
+@pytest.mark.parametrize(
+    "shape, value_dtype, per_value",
+    [
+        ((64, 64), jnp.float32, 5.25),
+        ((64, 64), jnp.bfloat16, 3.25),
+        ((64,), jnp.float32, 4.5),
+        ((64,), jnp.bfloat16, 2.5),
+    ],
+)
+def test_one_kept_value_costs_its_offset_code_and_its_value_on_the_wire(
+    shape, value_dtype, per_value
+):
+    """One all-gather of uint8; each extra chunk's kept values cost their offsets' code
+    (``offset_bits`` of the NumPy model) and their values."""
     measured = {}
-    for rows in (64, 128):  # 1 or 2 tiles of 64x64: 16 or 32 kept values
-        shapes = (("w", (rows, 64)),)
+    for rows in (1, 2):  # 1 or 2 chunks: 16 or 32 kept values
+        shapes = (("w", (rows * shape[0], *shape[1:])),)
         step, state = fresh(shapes=shapes, value_dtype=value_dtype)
         text = step.lower(state, batch(0, dict(shapes))).compile().as_text()
         gathers = [op for op in collectives_in_hlo(text) if op.op == "all-gather"]
         assert [op.dtypes for op in gathers] == [("u8",)]
         others = [op for op in collectives_in_hlo(text) if op.op != "all-gather"]
         assert all(op.payload_bytes <= 4 for op in others)  # the loss mean
-        want = (N - 1) * message_bytes([(rows, 64)], top_k=TOP_K, value_dtype=value_dtype)
-        assert gathers[0].wire_bytes == want
+        length = 64 * 64 if len(shape) == 2 else 64
+        size = np.dtype(value_dtype).itemsize
+        want = -(-rows * offset_bits(length, TOP_K) // 8) + rows * TOP_K * size
+        assert gathers[0].wire_bytes == (N - 1) * want
+        assert want == message_bytes([shapes[0][1]], top_k=TOP_K, value_dtype=value_dtype)
         measured[rows] = wire_bytes(text)
-    assert (measured[128] - measured[64]) / (N - 1) / TOP_K == per_value
+    assert (measured[2] - measured[1]) / (N - 1) / TOP_K == per_value
 
 
 def test_nonfinite_step_is_skipped():
@@ -185,18 +202,21 @@ def test_integer_parameters_are_refused():
 
 def test_comms_report_shows_the_gathered_parts_at_their_analytic_cost():
     """jc.comms_report of the step: one uint8 all-gather (nothing flagged against a uint8
-    payload) whose wire bytes are the analytic count, 12 bits of offset + 4 bytes per kept
-    value (kept values counted from the reference's tiling), to each of the n - 1 others."""
+    payload) whose wire bytes are the analytic count, the offsets' code (the NumPy model's) +
+    4 bytes per kept value (chunks counted from the reference's tiling), to each of the n - 1
+    others."""
     step, state = fresh()
     report = jc.comms_report(step, state, batch(0), expect="uint8")
     assert report.ok, str(report)
     gathers = [r for r in report.rows if r.op == "all-gather"]
     assert [(r.dtype, r.count) for r in gathers] == [("u8", 1)]
-    kept = 0
+    kept = bits = 0
     for shape in SHAPES.values():
         rows, cols, h, w = tiles(shape, 64)
-        kept += (rows // h) * (cols // w) * min(TOP_K, h * w)
-    assert gathers[0].wire_bytes == (N - 1) * (3 * -(-kept // 2) + 4 * kept)
+        chunks, k = (rows // h) * (cols // w), min(TOP_K, h * w)
+        kept += chunks * k
+        bits += chunks * offset_bits(h * w, k)
+    assert gathers[0].wire_bytes == (N - 1) * (-(-bits // 8) + 4 * kept)
     # Everything else is the loss mean and the skip counters: a few bytes.
     assert report.wire_bytes - gathers[0].wire_bytes <= 64
 

@@ -69,6 +69,53 @@ def _signs_and_scales(received: jax.Array) -> tuple[jax.Array, jax.Array]:
     return received[:, :-4], lax.bitcast_convert_type(received[:, -4:], jnp.float32)
 
 
+# XLA:TPU lays out uint8 arrays in tiles of 4 rows of 128 bytes. A row of any other length is
+# padded in memory and on the wire (a (1, R) row moves 4 tiles' rows), and XLA:TPU merges
+# unaligned all-gathers into one synchronous all-reduce: rows are sent as (4, R/4) tiles there.
+_TPU_TILE_ROWS, _TPU_TILE_BYTES = 4, 512
+
+
+def _tpu_tiles(rows: jax.Array) -> jax.Array:
+    """``(..., R)`` bytes zero-padded to a multiple of 512 per row, as ``(..., 4, R'/4)``."""
+    width = round_up(rows.shape[-1], _TPU_TILE_BYTES)
+    pad = [(0, 0)] * (rows.ndim - 1) + [(0, width - rows.shape[-1])]
+    return jnp.pad(rows, pad).reshape(*rows.shape[:-1], _TPU_TILE_ROWS, -1)
+
+
+def _all_to_all_rows(payload: jax.Array, axis_name) -> jax.Array:
+    """Row ``j`` of ``(n, R)`` bytes to device ``j``; row ``i`` of the result from device ``i``.
+
+    On TPU the rows travel as whole tiles (:func:`_tpu_tiles`); elsewhere as they are: the
+    padding would only add bytes to the wire.
+    """
+
+    def tpu(payload):
+        tiles = _tpu_tiles(payload)
+        n, length = payload.shape
+        flat = tiles.reshape(n * _TPU_TILE_ROWS, -1)
+        out = lax.all_to_all(flat, axis_name, 0, 0, tiled=True)
+        return out.reshape(n, -1)[:, :length]
+
+    def other(payload):
+        return lax.all_to_all(payload, axis_name, 0, 0, tiled=True)
+
+    return lax.platform_dependent(payload, tpu=tpu, default=other)
+
+
+def _all_gather_row(row: jax.Array, axis_name) -> jax.Array:
+    """Every device's ``(R,)`` bytes, ``(n, R)``, replicated; whole tiles on TPU (see
+    :func:`_all_to_all_rows`)."""
+
+    def tpu(row):
+        gathered = all_gather_replicated(_tpu_tiles(row), axis_name)
+        return gathered.reshape(gathered.shape[0], -1)[:, : row.shape[0]]
+
+    def other(row):
+        return all_gather_replicated(row, axis_name)
+
+    return lax.platform_dependent(row, tpu=tpu, default=other)
+
+
 def _sign(values: jax.Array) -> jax.Array:
     # sgn(0) = +1, as DeepSpeed's packing does: the reconstruction must use the packed bit.
     return jnp.where(values >= 0, 1.0, -1.0).astype(values.dtype)
@@ -144,6 +191,8 @@ class OneBit(TwoStageFeedback):
     once per stage and bucket): about
     ``2 (n-1)/n * Np/8`` bytes per device against ``2 (n-1)/n * 4N`` for an fp32 ring all-reduce
     (32x less). Invariant at both stages: ``input + e_old == reconstruction + e_new``.
+    On TPU each device's row (``Np/(8n) + 4`` bytes) is zero-padded to whole 512-byte tiles,
+    the bytes XLA:TPU's layout moves anyway; the values are the same on every platform.
 
     Reduce-scatter uses stages 1-2 only (device ``r`` keeps the decompressed mean of its
     chunk, so there is no server residual). All-gather is exact: 1-bit weights would destroy
@@ -191,7 +240,7 @@ class OneBit(TwoStageFeedback):
         packed = pack_signs(buf).reshape(axis_size, -1)
         tail = jnp.broadcast_to(_scale_bytes(scale), (axis_size, 4))
         payload = ensure_varying(jnp.concatenate([packed, tail], axis=1), axis_name)
-        received = lax.all_to_all(payload, axis_name, 0, 0, tiled=True)
+        received = _all_to_all_rows(payload, axis_name)
         signs, scales = _signs_and_scales(received)
         new_error = buf - scale * _sign(buf)
         finite = None
@@ -225,9 +274,7 @@ class OneBit(TwoStageFeedback):
         scale = jnp.sqrt(jnp.sum(jnp.square(c.reshape(-1)))) / math.sqrt(c.size)
         if guard:  # a non-finite input makes the output non-finite (NaN scales), as unguarded
             scale = jnp.where(finite, scale, jnp.nan)
-        gathered = all_gather_replicated(
-            jnp.concatenate([_pack_rows(c), _scale_bytes(scale)]), axis_name
-        )
+        gathered = _all_gather_row(jnp.concatenate([_pack_rows(c), _scale_bytes(scale)]), axis_name)
         signs, scales = _signs_and_scales(gathered)
         server_error = c - scale * _sign(c)
         if guard:

@@ -9,9 +9,13 @@ For every compile it records:
 * whether it compiles (or the error), compile seconds, peak memory per device
   (``compiled.memory_analysis()``);
 * every collective of the compiled HLO (``jaxcomm.inspect.collectives_in_hlo``): kind, dtype,
-  bytes each device sends (ring/pairwise model, see ``jaxcomm.inspect``);
-* whether it is asynchronous (a start/done pair, or an ``async-start``/``async-done`` around
-  it) and how many compute instructions the scheduler placed between its start and its done.
+  bytes each device sends (ring/pairwise model, see ``jaxcomm.inspect``), and the same bytes
+  as laid out in the layout's tiles (``tiled_wire_bytes``: on TPU a uint8 ``(1, R)`` row fills
+  4 tile rows, 4x its bytes, as the all-gather emitter's ``shard_size`` shows);
+* whether it is asynchronous (a start/done pair, an ``async-start``/``async-done`` around it,
+  or XLA:TPU's async collective fusion: an ``async-collective-start`` fusion, compute fusions
+  that carry its state, an ``async-collective-done``) and how many compute instructions the
+  scheduler placed between its start and its done.
   The *overlap fraction* is the share of collective bytes with at least one compute
   instruction scheduled in that window. It is read from the compiled schedule, not timed;
 * on a multislice topology, whether each collective's device groups span more than one slice
@@ -419,6 +423,13 @@ def schedule_of_collectives(text: str) -> list[dict]:
                 idx = [n for n, _, _ in comps[caller]].index(wrapper)
                 if _is_async_start(comps[caller][idx][1]):
                     window_comp, start_name, start_idx, is_async = caller, wrapper, idx, True
+                elif wrapper.startswith("async-collective-start"):
+                    out.append(_continuation(comps[caller], idx, name, base, cname, line))
+                    continue
+                elif wrapper.startswith("async-collective") or cname.startswith(
+                    "async_collective_fusion"
+                ):
+                    continue  # a later step of a continuation fusion: counted at its start
             between = 0
             if is_async:
                 seq = comps[window_comp]
@@ -433,6 +444,25 @@ def schedule_of_collectives(text: str) -> list[dict]:
                      is_async=is_async, between=between, line=line.strip())
             )  # fmt: skip
     return out
+
+
+def _continuation(seq: list, start: int, name: str, op: str, comp: str, line: str) -> dict:
+    """A collective of XLA:TPU's async collective fusion ("continuation fusion"): started by
+    the fusion ``seq[start]`` (``async-collective-start``), advanced inside the compute fusions
+    that take its state, finished by an ``async-collective-done`` fusion. Its window is from
+    the start to that done; the fusions that carry its state count as compute inside it."""
+    chain = {seq[start][0]}
+    between = 0
+    for n2, op2, line2 in seq[start + 1 :]:
+        uses = any(re.search(rf"%{re.escape(c)}\b", line2.split("=", 1)[1]) for c in chain)
+        if uses and n2.startswith("async-collective-done"):
+            break
+        if uses:
+            chain.add(n2)
+        if op2 not in _NOT_COMPUTE and not op2.endswith(("-start", "-done")):
+            between += 1
+    return dict(name=name, op=op, computation=comp, window=comp, is_async=True,
+                between=between, line=line.strip())  # fmt: skip
 
 
 def megascale_transfers(text: str) -> list[dict]:
@@ -482,6 +512,49 @@ def _done_shapes(text: str) -> dict[str, int]:
     return out
 
 
+_LAYOUT = re.compile(
+    r"\b(?P<dtype>[a-z]+[0-9]*)\[(?P<dims>[0-9,]*)\]\{(?P<order>[0-9,]*):T\((?P<tile>[0-9,]+)\)"
+)
+
+
+def tiled_bytes(shape_text: str) -> int | None:
+    """Bytes of the arrays of an HLO shape as laid out in memory: the dims under each array's
+    first tile (``T(4,128)``: the two most minor dims, in layout order) rounded up to whole
+    tiles. On TPU a uint8 ``(1, R)`` row takes 4 tiles' rows (``T(4,128)``): 4x its bytes, as
+    the all-gather emitter's ``shard_size`` shows. ``None`` where the shape has no tiled layout.
+    """
+    total = None
+    for m in _LAYOUT.finditer(re.sub(r"/\*.*?\*/", "", shape_text)):
+        if m.group("dtype") not in DTYPE_BYTES:
+            continue
+        dims = [int(d) for d in m.group("dims").split(",") if d]
+        order = [int(d) for d in m.group("order").split(",") if d]  # minor to major
+        tile = [int(t) for t in m.group("tile").split(",")]
+        physical = [dims[i] for i in reversed(order)] if order else dims
+        for j in range(1, min(len(tile), len(physical)) + 1):
+            physical[-j] = -(-physical[-j] // tile[-j]) * tile[-j]
+        size = int(np.prod(physical, dtype=np.int64)) * DTYPE_BYTES[m.group("dtype")]
+        total = (total or 0) + size
+    return total
+
+
+def _result_shape(line: str, done_lines: dict[str, str], name: str | None) -> str:
+    """The result shape text of a collective: its ``-done``'s for an async start."""
+    text = done_lines.get(name, line) if name else line
+    m = re.search(r"=\s*(?P<shape>.+?)\s+[a-z][\w\-]*\(", text)
+    return m.group("shape") if m else ""
+
+
+def _done_lines(text: str) -> dict[str, str]:
+    """start instruction name -> line of its ``-done``."""
+    out = {}
+    for line in text.splitlines():
+        m = re.search(r"\s([a-z][\w\-]*-done)\(%([\w.\-]+)", line)
+        if m and m.group(1) not in ("copy-done", "send-done", "recv-done"):
+            out[m.group(2)] = line
+    return out
+
+
 def analyse(text: str, devices: list) -> dict:
     """Collectives (kind, dtype, bytes), their overlap and their slice crossings."""
     ops = collectives_in_hlo(text)
@@ -492,9 +565,12 @@ def analyse(text: str, devices: list) -> dict:
         slices = [0] * len(devices)
     dcn = megascale_transfers(text)
     done_shape = _done_shapes(text)
+    done_line = _done_lines(text)
     rows = []
     for o in ops:
-        s = sched.get(o.line, {})
+        if o.line not in sched:
+            continue  # a continuation fusion's later step: the same collective again
+        s = sched[o.line]
         if "-start(" in o.line and o.op != "all-reduce":
             # An async start's shape is (operands, results, context scalars): TPU's carries two
             # u32 scalars, which a half-split of the tuple would count as the payload. The
@@ -507,9 +583,15 @@ def analyse(text: str, devices: list) -> dict:
                     else payload * (o.group_size - 1) / o.group_size))  # fmt: skip
         groups = replica_groups(o.line, len(devices))
         crosses = any(len({slices[i] for i in g if i < len(slices)}) > 1 for g in groups)
+        tiled = tiled_bytes(_result_shape(o.line, done_line, s.get("name")))
+        if tiled is not None and o.op == "reduce-scatter":
+            tiled *= o.group_size
+        tiled_wire = o.wire_bytes
+        if tiled is not None and o.payload_bytes:
+            tiled_wire = o.wire_bytes * tiled / o.payload_bytes
         rows.append(
             dict(op=o.op, dtypes=list(o.dtypes), payload_bytes=o.payload_bytes,
-                 group_size=o.group_size, wire_bytes=o.wire_bytes,
+                 group_size=o.group_size, wire_bytes=o.wire_bytes, tiled_wire_bytes=tiled_wire,
                  is_async=bool(s.get("is_async")), between=int(s.get("between", 0)),
                  crosses_slices=crosses,
                  op_name=(re.search(r'op_name="([^"]*)"', o.line) or [None, ""])[1][-80:])
@@ -523,10 +605,12 @@ def analyse(text: str, devices: list) -> dict:
         k["count"] += 1
         k["wire_bytes"] += r["wire_bytes"]
         k["async_count"] += r["is_async"]
+        k["tiled_wire_bytes"] = k.get("tiled_wire_bytes", 0.0) + r["tiled_wire_bytes"]
     return dict(
         collectives=rows,
         by_kind=by_kind,
         wire_bytes=total,
+        tiled_wire_bytes=sum(r["tiled_wire_bytes"] for r in rows),
         async_pairs=sum(r["is_async"] for r in rows),
         overlap_fraction=(overlapped / total) if total else None,
         cross_slice_bytes=sum(r["wire_bytes"] for r in rows if r["crosses_slices"])
@@ -710,6 +794,7 @@ def print_table(rows: list[dict]) -> None:
             continue
         kinds = ", ".join(
             f"{k} x{v['count']} ({v['async_count']} async) {_fmt_bytes(v['wire_bytes'])}"
+            f" (tiled {_fmt_bytes(v.get('tiled_wire_bytes'))})"
             for k, v in sorted(a["by_kind"].items())
         )
         print(f"  {r['method']}/{r['phase']} {r['topology']} {r['flags']}: {kinds}")

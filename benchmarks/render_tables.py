@@ -313,8 +313,61 @@ def time_to_loss_table(results: dict[str, dict]) -> str:
             f"each ({sources}; protocol and settings: `benchmarks/results/time_to_loss.md`).\n")
 
 
+#: One run per link and model: methods within this factor of the best are not told apart.
+TIE = 0.9
+RATES = {"1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s"}
+
+
+def pick_table(results: dict[str, dict]) -> str:
+    """Which method to pick on each measured link: the one that reaches exact Adam's held-out
+    loss soonest (with any within ``TIE`` of it), the rest ranked, and those that never beat
+    exact Adam there."""
+    runs = sorted(
+        ((name, doc) for name, doc in results.items() if is_time_to_loss(name, doc)),
+        key=lambda nd: (-_bits_per_s(nd[1]["rate"]), nd[1].get("params", 0)),
+    )
+    if not runs:
+        return "No results file of `benchmarks/time_to_loss.py` yet.\n"
+
+    def cell(key, speed):
+        return f"{TIME_TO_LOSS_LABELS.get(key, key)} ({speed:.2f}x)"
+
+    rows = []
+    for _, doc in runs:
+        speeds = {k: r.get("speedup_to_adam_loss") or 0.0 for k, r in doc["rows"].items()
+                  if k != "exact_adam"}
+        ranked = sorted(speeds, key=lambda k: -speeds[k])
+        best = speeds[ranked[0]] if ranked else 0.0
+        if best <= 1 / TIE:  # nothing clearly sooner than the exact mean
+            pick, rest = [], [k for k in ranked if speeds[k] > 1]
+            first = TIME_TO_LOSS_LABELS["exact_adam"]
+        else:
+            pick = [k for k in ranked if speeds[k] >= TIE * best]
+            rest = [k for k in ranked if k not in pick and speeds[k] > 1]
+            first = "; ".join(cell(k, speeds[k]) for k in pick)
+        worse = [f"{TIME_TO_LOSS_LABELS.get(k, k)} "
+                 f"({f'{speeds[k]:.2f}x' if speeds[k] else 'not reached'})"
+                 for k in ranked if speeds[k] <= 1]
+        rows.append([RATES.get(doc["rate"], doc["rate"]),
+                     f"{doc.get('params', 0) / 1e3:.0f}k parameters", first,
+                     "; ".join(cell(k, speeds[k]) for k in rest) or "none",
+                     "; ".join(worse) or "none"])
+    sources = ", ".join(source(name) for name, _ in runs)
+    return (table(["link", "model", "pick (times sooner than exact Adam)", "then",
+                   "no sooner than exact Adam"], rows)
+            + f"\nTimes sooner: wall-clock training time until exact Adam's final held-out loss, "
+            f"against Adam's own time (the table above). One run each, so methods within "
+            f"{100 * (1 - TIE):.0f}% of the fastest share the pick ({sources}).\n")
+
+
+def _bits_per_s(rate: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
+    return float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]] if m else 0.0
+
+
 RENDERERS = {
     "choose": choose,
+    "pick": pick_table,
     "time-to-loss": time_to_loss_table,
     "provenance": provenance_table,
     "demo-quality": demo_table,

@@ -40,6 +40,31 @@ def test_readme_has_the_choice_table():
     assert "<!-- BEGIN generated: choose " in (ROOT / "README.md").read_text()
 
 
+def _run(rate, speeds):
+    rows = {"exact_adam": {"speedup_to_adam_loss": 1.0, "seconds_to_adam_loss": 10.0}}
+    rows.update({k: {"speedup_to_adam_loss": v} for k, v in speeds.items()})
+    return {"target_loss": 2.0, "rate": rate, "params": 1000, "rows": rows}
+
+
+def test_pick_names_the_fastest_and_those_within_the_tie_of_it():
+    results = {
+        "fast.json": _run("1gbit", {"onebit_adam": 1.05, "demo": 0.98, "diloco_int4": None}),
+        "slow.json": _run("100mbit", {"sparseloco": 5.0, "demo": 4.6, "onebit_adam": 3.0}),
+    }
+    lines = render_tables.pick_table(results).splitlines()
+    fast, slow = lines[2], lines[3]  # the faster link first
+    # 100 Mbit/s: 4.6 is within 10% of 5.0, so both are the pick; 3.0 comes next.
+    assert slow.startswith("| 100 Mbit/s |")
+    assert "`jc.SparseLoCo` (5.00x); `jc.demo` (4.60x) | `jc.onebit_adam` (3.00x) |" in slow
+    # 1 Gbit/s: nothing is 1/0.9 times sooner, so exact Adam is the pick; the rest say why not.
+    assert "| Adam, exact mean every step | `jc.onebit_adam` (1.05x) |" in fast
+    assert "`jc.demo` (0.98x)" in fast and "int4 outer gradients (not reached)" in fast
+
+
+def test_readme_picks_from_the_time_to_loss_results():
+    assert "<!-- BEGIN generated: pick " in (ROOT / "README.md").read_text()
+
+
 def test_missing_provenance_is_said_not_invented(tmp_path):
     (tmp_path / "bare.json").write_text('{"step_s": {}}')
     row = render_tables.provenance_table(render_tables.load_results(tmp_path)).splitlines()[2]

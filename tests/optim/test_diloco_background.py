@@ -20,9 +20,11 @@ from jaxcomm.optim import diloco_background
 from jaxcomm.optim.diloco_exchange import SyncError
 from tests.optim.test_diloco import (
     HYPER,
+    B,
     check_against,
     loss_fn,
     make_batches,
+    make_mesh,
     make_params,
     make_tx,
 )
@@ -170,3 +172,32 @@ def test_local_metrics_are_each_devices_loss(mesh):
             rows = slice(r * 2, (r + 1) * 2)
             want = np.mean((x[rows] @ w[r] + b[r] - y[rows]) ** 2)
             np.testing.assert_allclose(float(losses[r]), want, rtol=1e-5)
+
+
+def test_resize_with_a_sync_in_flight_continues_as_the_single_program(mesh):
+    """8 -> 4 devices between the step that issues a sync and the one that merges it: the
+    pending pseudo-gradients are averaged, the first step on 4 devices reissues the sync from
+    them, and the exact mean gives the single-program run resized at the same step."""
+    batches = make_batches(10)
+
+    def resized(background):
+        # H=4, tau=3: the sync after step 4 is issued in step 5 and merged in step 7.
+        tx = make_tx(4, overlap_steps=3, background=background)
+        state = jax.tree.map(np.asarray, _run(mesh, tx, batches[:5]))
+        new = jc.resize_diloco_state(state, None, new_axis_size=4)
+        step4, template = jc.make_train_step(make_mesh(4), "dp", loss_fn, tx, make_params())
+        moved = jax.device_put(new, jax.tree.map(lambda x: x.sharding, template))
+        for x, y in batches[5:]:  # merges the sync in flight, then syncs after step 8
+            moved, _ = step4(moved, (x[: 4 * B], y[: 4 * B]))
+        return state, new, jax.tree.map(np.asarray, moved)
+
+    old, new, got = resized(True)
+    pending = old.opt_state.local.pending[0]
+    assert np.abs(pending[1]).max() > 0  # a sync is in flight (w)
+    for a, b in zip(new.opt_state.local.pending[0], pending, strict=True):
+        np.testing.assert_allclose(a, np.broadcast_to(b.mean(0), a.shape), rtol=1e-6)
+    _, _, want = resized(False)
+    # Only the mean's fp32 summation order differs (NumPy's over 8 rows, then 4 equal rows,
+    # against the 8-device reduction): a few roundings, carried through 5 steps.
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=32 * np.finfo(np.float32).eps)

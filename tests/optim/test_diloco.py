@@ -361,21 +361,26 @@ def test_more_consecutive_skips_than_allowed_stop_the_run(mesh):
     np.testing.assert_array_equal(np.asarray(state.opt_state.local.nonfinite)[3], 3)
 
 
-def test_nonfinite_outer_gradient_skips_the_sync(mesh):
+@pytest.mark.parametrize("bucket_bytes", [None, 16], ids=["one-bucket", "bucket-per-leaf"])
+def test_nonfinite_outer_gradient_skips_the_sync(mesh, bucket_bytes):
     """A finite but huge local step on device 3 overflows the 1-bit scale of the outer
     gradient at the sync after step 4: theta and the outer state are kept, the local copies
-    are not merged, the error feedback is kept, and both are counted."""
+    are not merged, the error feedback is kept, and both are counted. With a bucket per leaf
+    only ``w``'s bucket overflows (``b``'s mean is finite): the skipped sync still keeps the
+    error feedback of every bucket."""
     tx = jc.diloco(
         optax.sgd(0.05),
         optax.sgd(0.7, momentum=0.9, nesterov=True),
         2,
         "dp",
         compressor=jc.OneBit(),
+        bucket_bytes=bucket_bytes,
     )
     batches = make_batches(4)
     batches[3][0][3 * B] = 1e12  # device 3, step 4: local copy ~1e22, its square overflows
     states = _step_and_states(mesh, tx, make_params(), batches)
     before, after = states[3], states[4]
+    assert len(after.opt_state.comm[0].buckets) == (1 if bucket_bytes is None else 2)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(after.params))
     assert int(before.opt_state.skipped) == 0 and int(after.opt_state.skipped) == 1
     assert int(after.opt_state.consecutive) == 1  # in a row (max_consecutive_skips bounds it)

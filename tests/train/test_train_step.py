@@ -102,6 +102,19 @@ def test_a_batch_that_does_not_split_gets_one_sentence(make_mesh):
         step(state, (x, np.float32(1.0)))
 
 
+@pytest.mark.parametrize("make_mesh", [explicit_mesh, auto_mesh])
+def test_an_optimizer_that_does_not_average_gets_one_sentence(make_mesh):
+    """Plain optax.adam sees each device's own gradients: the parameters would drift apart.
+    Refused at trace time with the fix named, on the first call and on ``step.lower``."""
+    params, (x, y) = regression()
+    step, state = jc.make_train_step(make_mesh(), "dp", loss_fn, optax.adam(LR), params)
+    fix = r"differ across 'dp'.*jc\.compressed_mean\('dp', jc\.NoCompression\(\)\)"
+    with pytest.raises(ValueError, match=fix):
+        step(state, (x, y))
+    with pytest.raises(ValueError, match=fix):
+        step.lower(state, (x, y))
+
+
 def test_pmap_step_refuses_a_batch_that_does_not_split():
     params, (x, y) = regression()
     tx = optax.chain(jc.compressed_mean("dp"), optax.adam(LR))

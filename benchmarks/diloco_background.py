@@ -15,7 +15,12 @@ full cycle of ``H`` steps (every fragment's sync issued and merged inside it):
 
 ``tau`` defaults to ``H // F - 1``, the largest the schedule allows. Rounds alternate the rows;
 the table gives each row's median cycle over ``--repeats`` rounds, slower rank, and the ratios
-to the floor. The JSON (``--json``) records the command, versions, machine and date.
+to the floor. The JSON (``--json``) records the command, versions, machine and date, and
+``background_wire``: the bytes each process sent per cycle in the background sync and the
+link time they need at least. The shaped loopback passes both processes' bytes through one
+token bucket, so that time is both processes' bytes over the rate: twice what a full-duplex
+link of the same rate needs for this symmetric traffic (``--rate 200mbit`` stands in for
+100 Mbit/s each way). A background cycle cannot be shorter than its link time.
 
 Usage (root for ``unshare``/``tc``)::
 
@@ -145,16 +150,26 @@ def _worker(args: argparse.Namespace) -> None:
         jax.block_until_ready(runs[name](2 * H))  # every phase compiled, at a cycle boundary
         compile_s[name] = time.perf_counter() - t0
     times = {name: [] for name in names}
+    links = runs["background"].background._links if "background" in runs else None
+    sent = links.sent_bytes if links else 0
     for _ in range(args.repeats):
         for name in names:
             barrier(token).block_until_ready()
             t0 = time.perf_counter()
             jax.block_until_ready(runs[name](H))
             times[name].append(time.perf_counter() - t0)
+    sent = (links.sent_bytes - sent) / args.repeats if links else None
     trace = _trace(runs["background"], H) if args.trace and "background" in runs else None
     Path(args.worker, f"rank{rank}.json").write_text(
         json.dumps(
-            {"rank": rank, "times": times, "compile_s": compile_s, "tau": tau, "trace": trace}
+            {
+                "rank": rank,
+                "times": times,
+                "compile_s": compile_s,
+                "tau": tau,
+                "sent_bytes_per_cycle": sent,
+                "trace": trace,
+            }
         )
     )
     jax.distributed.shutdown()
@@ -206,11 +221,36 @@ def _trace(run, H: int) -> dict:
     return {"steps": steps, "stages": stages}
 
 
+def _bytes_per_second(rate: str) -> float:
+    """``tc`` rate (``100mbit``, ``1gbit``, ``500kbit``) in bytes per second."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale / 8
+    raise ValueError(f"unknown rate {rate!r}: write e.g. 100mbit or 1gbit")
+
+
+def _wire(ranks: list[dict], args, shaped: bool, cycle: dict) -> dict | None:
+    """The background sync's bytes per cycle and the link time they need at least: the shaped
+    loopback passes both processes' bytes (both directions) through one token bucket."""
+    sent = [r.get("sent_bytes_per_cycle") for r in ranks]
+    if None in sent:
+        return None
+    wire = {"sent_bytes_per_cycle": sent}
+    if shaped:
+        link_s = sum(sent) / _bytes_per_second(args.rate)
+        wire["link_s_per_cycle"] = link_s
+        if "floor" in cycle:
+            wire["link_over_floor"] = link_s / cycle["floor"]
+    return wire
+
+
 def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
     from _two_ranks import provenance, slower_rank_medians
 
     cycle = slower_rank_medians(ranks)
     ratios = {f"{k}_over_floor": v / cycle["floor"] for k, v in cycle.items() if "floor" in cycle}
+    wire = _wire(ranks, args, shaped, cycle)
     return {
         **provenance(),
         "rate": args.rate if shaped else "unshaped",
@@ -224,6 +264,7 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
         "cycle_s": cycle,
         "compile_s": {k: max(r["compile_s"][k] for r in ranks) for k in cycle},
         "ratios": ratios,
+        **({"background_wire": wire} if wire else {}),
         **({"trace": [r["trace"] for r in ranks]} if ranks[0].get("trace") else {}),
     }
 
@@ -238,6 +279,13 @@ def _table(summary: dict) -> str:
     for name, s in summary["cycle_s"].items():
         ratio = summary["ratios"].get(f"{name}_over_floor", float("nan"))
         lines.append(f"{name:<12} {s:9.3f} {ratio:8.3f}")
+    wire = summary.get("background_wire") or {}
+    if "link_s_per_cycle" in wire:
+        lines.append(
+            f"background sync: {max(wire['sent_bytes_per_cycle']) / 1e6:.2f} MB sent per process "
+            f"a cycle, {wire['link_s_per_cycle']:.3f} s of the shaped link at least "
+            f"({wire.get('link_over_floor', float('nan')):.2f}x floor)"
+        )
     return "\n".join(lines)
 
 

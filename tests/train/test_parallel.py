@@ -138,11 +138,11 @@ def test_no_hidden_gradient_all_reduce(mesh):
 
 
 def test_device_varying_updates_are_refused(mesh):
-    """A transformation that does not communicate would let replicas diverge: check_vma says so
-    at trace time instead."""
+    """A transformation that does not communicate would let replicas diverge: check_vma finds it
+    at trace time and the step says so in one sentence."""
     params, batch = regression()
     step, state = jc.make_train_step(mesh, "dp", loss_only, optax.sgd(0.1), params)
-    with pytest.raises(ValueError, match="replicat"):
+    with pytest.raises(ValueError, match="differ across 'dp' .it does not average the gradients"):
         step(state, batch)
 
 

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (label, bench_name) in ROWS.items():
         comp = make(name)
         state = jc.init_state(comp, jax.ShapeDtypeStruct(shape, jnp.float32), axis_size=n)
-        gstate = jax.tree.map(lambda s: jnp.concatenate([s] * n), state)
+        gstate = jc.stack_per_device(state, n)
         step = sharded(
             lambda x, s, comp=comp: jc.compressed_pmean(x[0], s, axis_name="dp", compressor=comp)
         )

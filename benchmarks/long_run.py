@@ -37,7 +37,7 @@ def run(compressor, *, steps: int, dim: int, n: int, sigma: float = 1.0, seed: i
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("dp",), axis_types=(AxisType.Auto,))
     local = {"g": jnp.zeros((dim,), jnp.float32)}
     state = jc.init_state(compressor, local, axis_size=n)
-    gstate = jax.tree.map(lambda s: jnp.concatenate([s] * n), state)
+    gstate = jc.stack_per_device(state, n)
     key = jax.random.PRNGKey(seed)
     a, b, trend = jax.random.normal(key, (3, dim))
 

@@ -91,9 +91,7 @@ def _child(args) -> dict:
     rep = NamedSharding(mesh, P())
     params = jax.device_put(params, rep)
     batch = jax.device_put(batch, NamedSharding(mesh, P("dp")))
-    state = jax.device_put(
-        jax.tree.map(lambda s: jnp.concatenate([s] * n), state), NamedSharding(mesh, P("dp"))
-    )
+    state = jax.device_put(jc.stack_per_device(state, n), NamedSharding(mesh, P("dp")))
 
     def loss(ps, x):
         for w in ps:

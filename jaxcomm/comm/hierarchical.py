@@ -14,9 +14,9 @@ fp32 all-reduce over all ``S L`` devices. :func:`jaxcomm.wire_bytes_by_axes` rea
 the compiled HLO.
 
 The state is one device's error feedback for its shard tree (:func:`init_hierarchical_state`);
-it differs per local rank, so it is sharded over both axes (``P(("node", "local"))`` of the
-per-device states concatenated, or ``P("node", "local")`` after stacking). The shards are 1-D,
-so a compressor that needs matrices (``PowerSGD``) sends them exactly: use it flat instead.
+it differs per local rank, so it is sharded over both axes: ``jc.stack_per_device(state, S * L)``
+passed with ``P(("node", "local"))``. The shards are 1-D, so a compressor that needs matrices
+(``PowerSGD``) sends them exactly: use it flat instead.
 """
 
 from __future__ import annotations

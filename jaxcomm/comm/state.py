@@ -6,10 +6,9 @@ layout, the same for ``shard_map``, ``pmap`` and the optimizers' states
 ``(n, *local_shape)``, built from one device's state by ``jc.stack_per_device(state, n)``, and
 passed with ``in_specs``/``out_specs`` ``P(axis_name)`` (``pmap``: leading axis mapped). Inside
 ``shard_map`` a collective then receives ``(1, *local_shape)`` blocks and returns the new state
-in the same shape (:func:`as_local_block`). Because every local leaf has rank >= 1, the older
-layout (the per-device states concatenated along axis 0) is accepted as well. The state's bucket
-layout depends on the tree, the axis size and ``bucket_bytes``; :func:`check_state` refuses a
-state built for anything else in one sentence naming the mismatch.
+in the same shape (:func:`as_local_block`). The state's bucket layout depends on the tree, the
+axis size and ``bucket_bytes``; :func:`check_state` refuses a state built for anything else in
+one sentence naming the mismatch.
 
 Non-finite input. A NaN or Inf gradient makes the output non-finite (so loss scaling or
 skip-step logic sees it), but it never reaches the error feedback: a bucket whose compressed
@@ -287,8 +286,9 @@ def as_local_block(state, compressor, buckets, axis_size: int, op: StateOp):
 
     Under ``shard_map`` with ``P(axis)`` a state stacked ``(n, *local)`` (``jc.stack_per_device``)
     arrives as ``(1, *local)`` blocks: they are squeezed here and ``restore`` puts the leading
-    axis back on the new state. Any other state (local shapes: ``pmap``, or the concatenated
-    layout; or one that does not fit, which :func:`check_state` then refuses) passes unchanged.
+    axis back on the new state. Any other state (local shapes: ``pmap``, or one built inside the
+    mapped function; or one that does not fit, which :func:`check_state` then refuses) passes
+    unchanged.
     """
     leaves = jax.tree_util.tree_leaves(state)
     if not leaves:

@@ -157,7 +157,6 @@ def _resize_comm(path, old, new_template, ctx: _Context):
                 new_axis_size=ctx.m,
                 bucket_bytes=ctx.bucket_bytes,
                 op=op,
-                layout="stacked",
             )
             # resize_state keeps the pending *sum*; the optimizers average, so keep the pending
             # *mean* T / n instead (it is linear: scale the residuals by m / n).

@@ -22,15 +22,15 @@ each device's gradient now counts ``1/m`` of the mean, so does theirs. A compres
 ``pending_sum`` is ``None``, or ``reset=True``, gives zeros with a ``UserWarning`` saying what
 was dropped. The non-finite counter of every new device is the largest old one.
 
-Layouts: ``"stacked"`` (``(n, *local)`` per leaf: :mod:`jaxcomm.train.layout`'s global layout and
-pmap's) or ``"concatenated"`` (``(n * local_len,)``: the ``shard_map`` ``P(axis)`` layout of the
-collectives' examples). Everything runs on the host, in NumPy.
+The state is in the global layout (``(n, *local)`` per leaf: ``jc.stack_per_device``'s, the one
+:mod:`jaxcomm.train.layout`, ``shard_map`` with ``P(axis)`` and ``pmap`` use). Everything runs on
+the host, in NumPy.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import numpy as np
@@ -39,31 +39,22 @@ from jaxcomm.comm.state import STATE_TYPES, init_state, plan_tree
 from jaxcomm.compressors import Compressor
 
 PyTree = Any
-Layout = Literal["stacked", "concatenated"]
 
 
-def _split(state: PyTree, n: int, layout: Layout) -> list[PyTree]:
+def _split(state: PyTree, n: int) -> list[PyTree]:
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         shape = np.shape(leaf)
-        if not shape or (shape[0] != n if layout == "stacked" else shape[0] % n):
+        if not shape or shape[0] != n:
             raise ValueError(
                 f"jaxcomm: resize_state: state leaf {jax.tree_util.keystr(path)} has global shape "
-                f"{shape}, which is not {n} per-device states in the {layout!r} layout (was it "
-                "saved with another axis_size, or in the other layout?)"
+                f"{shape}, which is not {n} per-device states stacked (n, *local) (was it saved "
+                "with another axis_size? build the global state with jc.stack_per_device)"
             )
-    if layout == "stacked":
-        return [jax.tree.map(lambda x, r=r: np.asarray(x)[r], state) for r in range(n)]
-    if layout == "concatenated":
-        return [
-            jax.tree.map(lambda x, r=r: np.asarray(x).reshape(n, -1)[r], state) for r in range(n)
-        ]
-    raise ValueError(f"jaxcomm: layout must be 'stacked' or 'concatenated', got {layout!r}")
+    return [jax.tree.map(lambda x, r=r: np.asarray(x)[r], state) for r in range(n)]
 
 
-def _join(states: list[PyTree], layout: Layout) -> PyTree:
-    if layout == "stacked":
-        return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *states)
-    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *states)
+def _join(states: list[PyTree]) -> PyTree:
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *states)
 
 
 def _check(states: list[PyTree], expected: PyTree, n: int) -> None:
@@ -95,24 +86,23 @@ def resize_state(
     new_axis_size: int,
     bucket_bytes: int | None = None,
     op: str = "all_reduce",
-    layout: Layout = "stacked",
     reset: bool = False,
 ) -> PyTree:
     """Convert the error feedback of ``axis_size`` devices into that of ``new_axis_size``.
 
     Args:
       state: the global ``jc.ReduceState`` / ``jc.ScatterState`` of ``axis_size`` devices (as
-        saved: host or device arrays), in ``layout``.
+        saved: host or device arrays), every leaf ``(axis_size, *local)``.
       compressor, tree, bucket_bytes, op: as given to :func:`jaxcomm.init_state`.
       axis_size: devices the state was saved on.
       new_axis_size: devices it will run on.
-      layout: ``"stacked"`` (``(n, *local)``) or ``"concatenated"`` (``(n * local_len,)``).
       reset: drop the error feedback instead (zeros, with a warning).
 
     Returns:
-      The state for ``new_axis_size`` devices in the same layout (NumPy arrays), whose pending
-      sum (module docstring) equals the old one. Raises ``ValueError`` if ``state`` does not
-      fit ``tree``/``compressor``/``bucket_bytes``/``op`` on ``axis_size`` devices.
+      The state for ``new_axis_size`` devices, every leaf ``(new_axis_size, *local)`` (NumPy
+      arrays), whose pending sum (module docstring) equals the old one. Raises ``ValueError``
+      if ``state`` does not fit ``tree``/``compressor``/``bucket_bytes``/``op`` on
+      ``axis_size`` devices.
     """
     for name, value in (("axis_size", axis_size), ("new_axis_size", new_axis_size)):
         if not isinstance(value, int | np.integer) or value < 1:
@@ -127,7 +117,7 @@ def resize_state(
             f"jaxcomm: resize_state: got a {type(state).__name__}, expected "
             f"{STATE_TYPES[op].__name__} for op={op!r}"
         )
-    states = _split(state, n, layout)
+    states = _split(state, n)
     _check(states, old_template, n)
     if not jax.tree.leaves(new_template):
         return new_template  # nothing per device
@@ -164,7 +154,7 @@ def resize_state(
         )
         for r in range(m)
     ]
-    return _join(new_states, layout)
+    return _join(new_states)
 
 
 def merge_rows(rows: np.ndarray, m: int, *, accumulate=None) -> np.ndarray:

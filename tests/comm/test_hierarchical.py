@@ -48,7 +48,7 @@ def stacked(seed, shapes, dtypes=None):
 
 
 def global_state(state):
-    return jax.tree.map(lambda s: jnp.concatenate([s] * (S * L)), state)
+    return jc.stack_per_device(state, S * L)
 
 
 @pytest.mark.parametrize("mean", [False, True])
@@ -156,7 +156,7 @@ def test_only_the_compressed_shard_crosses_the_slow_axis(mesh2d):
             out_specs=(P(), P(BOTH)),
         )
         t = {"g": jax.ShapeDtypeStruct((S * L, numel), jnp.float32)}
-        gs = jax.tree.map(lambda a: jax.ShapeDtypeStruct((S * L * a.shape[0],), a.dtype), st)
+        gs = jax.tree.map(lambda a: jax.ShapeDtypeStruct((S * L, *a.shape), a.dtype), st)
         return jax.jit(mapped).lower(t, gs).compile().as_text()
 
     by_axes = wire_bytes_by_axes(text(hier, state), mesh2d)

@@ -58,7 +58,7 @@ def run(step, op, n, gstate, seeds, totals):
 
 def pending(comp, op, n, gstate):
     bucket = plan_buckets(jax.tree.leaves(LOCAL), None, comp.compute_dtype)[0]
-    per_device = [jax.tree.map(lambda x, r=r: np.asarray(x).reshape(n, -1)[r], gstate.buckets[0])
+    per_device = [jax.tree.map(lambda x, r=r: np.asarray(x)[r], gstate.buckets[0])
                   for r in range(n)]
     return comp.pending_sum(per_device, bucket, op)
 
@@ -83,18 +83,15 @@ CASES = [
 def test_resize_preserves_the_pending_sum(comp, n, m, op):
     totals = {key: {k: np.zeros(s) for k, s in SHAPES.items()} for key in ("in", "out")}
     state = jc.init_state(comp, LOCAL, axis_size=n, op=op)
-    gstate = jax.tree.map(lambda s: jnp.concatenate([s] * n), state)
+    gstate = jc.stack_per_device(state, n)
     gstate = run(make_step(comp, op, n), op, n, gstate, range(3), totals)
 
     before = pending(comp, op, n, gstate)
     np.testing.assert_allclose(before, flat(totals["in"]) - flat(totals["out"]), atol=1e-4)
     assert np.abs(before).max() > 5e-4  # something is pending (fp16 rounding: ~2e-3)
 
-    resized = jc.resize_state(
-        gstate, comp, LOCAL, axis_size=n, new_axis_size=m, op=op, layout="concatenated"
-    )
-    expected = jax.tree.map(lambda s: jnp.concatenate([s] * m), jc.init_state(comp, LOCAL,
-                                                                             axis_size=m, op=op))
+    resized = jc.resize_state(gstate, comp, LOCAL, axis_size=n, new_axis_size=m, op=op)
+    expected = jc.stack_per_device(jc.init_state(comp, LOCAL, axis_size=m, op=op), m)
     assert jax.tree.structure(resized) == jax.tree.structure(expected)
     for got, want in zip(jax.tree.leaves(resized), jax.tree.leaves(expected), strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype
@@ -188,8 +185,7 @@ def test_a_compressor_defined_outside_the_library_resizes_its_own_state(counted,
     """The protocol carries the resize: no edit of jaxcomm, no warning, the pending sum kept."""
     comp, op = _ScaledSign(counted), "all_reduce"
     totals = {key: {k: np.zeros(s) for k, s in SHAPES.items()} for key in ("in", "out")}
-    gstate = jax.tree.map(lambda s: jnp.concatenate([s] * n), jc.init_state(comp, LOCAL,
-                                                                            axis_size=n))
+    gstate = jc.stack_per_device(jc.init_state(comp, LOCAL, axis_size=n), n)
     gstate = run(make_step(comp, op, n), op, n, gstate, range(3), totals)
     before = pending(comp, op, n, gstate)
     # The invariant, observed: inputs minus outputs so far (NumPy, float64).
@@ -198,14 +194,12 @@ def test_a_compressor_defined_outside_the_library_resizes_its_own_state(counted,
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a reset would warn
-        resized = jc.resize_state(
-            gstate, comp, LOCAL, axis_size=n, new_axis_size=m, layout="concatenated"
-        )
+        resized = jc.resize_state(gstate, comp, LOCAL, axis_size=n, new_axis_size=m)
     shares = np.asarray(resized.buckets[0].error).reshape(m, -1)
     np.testing.assert_allclose(shares, np.broadcast_to(before / m, shares.shape), rtol=1e-6,
                                atol=1e-7)
     if counted:
-        np.testing.assert_array_equal(np.asarray(resized.buckets[0].calls), [3] * m)
+        np.testing.assert_array_equal(np.asarray(resized.buckets[0].calls).reshape(-1), [3] * m)
 
     gstate = run(make_step(comp, op, m), op, m, resized, range(3, 6), totals)
     after = pending(comp, op, m, gstate)
@@ -236,8 +230,7 @@ def test_mismatched_state_is_refused():
 def test_unresized_state_on_another_device_count_is_refused_at_trace_time():
     """Restoring an 8-device state onto 4 devices without resize_state: a clear error."""
     comp = jc.OneBit()
-    gstate = jax.tree.map(lambda s: jnp.concatenate([s] * 8), jc.init_state(comp, LOCAL,
-                                                                             axis_size=8))
+    gstate = jc.stack_per_device(jc.init_state(comp, LOCAL, axis_size=8), 8)
     step = make_step(comp, "all_reduce", 4)
     with pytest.raises(ValueError, match="axis 'dp' of size 4"):
         step(inputs(0, 4), gstate)

@@ -31,6 +31,15 @@ On TPU the flags go in ``LIBTPU_INIT_ARGS`` (``set_xla_flags("tpu")`` writes the
     (read from programs compiled for v5e and v5p with ``benchmarks/aot_report.py``). The flag
     is the one JAX's own async-collective tests pass as a compiler option.
 
+No flag is needed, or known, for the all-gathers: XLA:TPU runs an all-gather asynchronously as
+an *async collective fusion* (on by default; MaxText's ``CF_FOR_ALL_GATHER`` in
+``benchmarks/xla_flags_library.py`` only makes sure of it), carried by an independent matmul
+running beside it. Next to elementwise work only (a compressor's server stage after the
+backward pass) it stays synchronous whatever the scheduler flags, e.g.
+``xla_tpu_enable_all_experimental_scheduler_features`` or
+``xla_lhs_prioritize_async_depth_over_stall`` (described in AXLearn's
+``axlearn/common/compiler_options.py``).
+
 On CPU, XLA runs collectives synchronously: there is nothing to overlap and
 ``xla_flags("cpu")`` adds no flag.
 

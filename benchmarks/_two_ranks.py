@@ -112,3 +112,97 @@ def provenance(**versions: str) -> dict:
         "machine": {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+
+# -- the worker's side: start-up, model, barrier ---------------------------------------------
+
+
+def start_as_user():
+    """``jax.distributed.initialize`` called as a user's script calls it, from the launcher's
+    environment, and JAX's default mesh over the processes: ``(rank, n, mesh)``, axis "dp"."""
+    import os
+
+    import jax
+
+    jax.distributed.initialize(
+        coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        num_processes=int(os.environ["WORLD_SIZE"]),
+        process_id=int(os.environ["RANK"]),
+    )
+    n = jax.process_count()
+    return jax.process_index(), n, jax.make_mesh((n,), ("dp",))
+
+
+def start_gloo():
+    """``jc.init_distributed("gloo")`` with one CPU device per process: ``(rank, n, mesh)``.
+
+    Call it before importing JAX (the device count is read then)."""
+    import os
+
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
+    import jax
+    import numpy as np
+
+    from jaxcomm.runtime import init_distributed
+
+    info = init_distributed("gloo", initialization_timeout=120)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("dp",))
+    return info.process_id, info.num_processes, mesh
+
+
+def mlp(width: int, layers: int, batch: int, rank: int, *, linear_last: bool = False):
+    """``(params, loss_fn, local_batch)``: ``layers`` x (``width`` x ``width`` + bias) with tanh
+    (``linear_last``: not after the last layer) and a mean-square loss; the same initial
+    parameters on every process (seed 0), each process's own NumPy batch (seed ``1 + rank``)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    params = {
+        f"layer{i}": {
+            "w": (rng.standard_normal((width, width), np.float32) / np.sqrt(width)).astype(
+                np.float32
+            ),
+            "b": np.zeros((width,), np.float32),
+        }
+        for i in range(layers)
+    }
+
+    def loss_fn(p, batch):
+        x, y = batch
+        for i in range(layers):
+            x = x @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"]
+            x = x if linear_last and i == layers - 1 else jnp.tanh(x)
+        return jnp.mean((x - y) ** 2)
+
+    data = np.random.default_rng(1 + rank)
+    local = (
+        data.standard_normal((batch, width), np.float32),
+        data.standard_normal((batch, width), np.float32),
+    )
+    return params, loss_fn, local
+
+
+def barrier(mesh):
+    """A function that waits for a tiny psum over "dp" (both ranks start together) and returns
+    the seconds it took."""
+    import time
+
+    import jax
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    split = NamedSharding(mesh, P("dp"))
+    token = jax.make_array_from_process_local_data(split, np.ones((1,), np.float32))
+    psum = jax.jit(
+        jax.shard_map(lambda t: lax.psum(t, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    )
+
+    def wait() -> float:
+        t0 = time.perf_counter()
+        psum(token).block_until_ready()
+        return time.perf_counter() - t0
+
+    return wait

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -96,7 +95,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _worker(args: argparse.Namespace) -> None:
-    os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
+    from _two_ranks import barrier as make_barrier
+    from _two_ranks import start_gloo
+
+    rank, n, mesh = start_gloo()  # before JAX is imported: one CPU device per process
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -106,11 +108,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     import jaxcomm as jc
     from jaxcomm.inspect import wire_bytes
-    from jaxcomm.runtime import init_distributed
 
-    info = init_distributed("gloo", initialization_timeout=120)
-    rank, n = info.process_id, info.num_processes
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("dp",))
     sharded = NamedSharding(mesh, P("dp"))
     numel = int(args.size_mb * 2**20) // 4
 
@@ -132,13 +130,7 @@ def _worker(args: argparse.Namespace) -> None:
     # and with the mean first it took the worker residual's buffer, so XLA copied the residual
     # (64 MiB) for the guard's read of it (measured: the guard cost 7-12% that way, 2% without).
     fp32 = smap(lambda v: lax.pmean(v, "dp"), P("dp"), P(), donate=(0,))
-    token = to_global(np.ones((1,), np.float32))
-    barrier_fn = smap(lambda t: lax.psum(t, "dp"), P("dp"), P())
-
-    def barrier() -> float:
-        t0 = time.perf_counter()
-        barrier_fn(token).block_until_ready()
-        return time.perf_counter() - t0
+    barrier = make_barrier(mesh)
 
     fresh_copy = jax.jit(jnp.copy)
     wire = {"fp32": wire_bytes(fp32.lower(x).compile().as_text())}

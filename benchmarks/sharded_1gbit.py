@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -86,54 +85,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _worker(args: argparse.Namespace) -> None:
-    os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
+    from _two_ranks import barrier as make_barrier
+    from _two_ranks import mlp, start_gloo
+
+    rank, n, mesh = start_gloo()  # before JAX is imported: one CPU device per process
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm as jc
     from jaxcomm.inspect import wire_bytes
-    from jaxcomm.runtime import init_distributed
 
-    info = init_distributed("gloo", initialization_timeout=120)
-    rank, n = info.process_id, info.num_processes
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("dp",))
     split = NamedSharding(mesh, P("dp"))
-    w = args.width
-    rng = np.random.default_rng(0)  # the same initial parameters on every process
-    params = {
-        f"layer{i}": {
-            "w": (rng.standard_normal((w, w), np.float32) / np.sqrt(w)).astype(np.float32),
-            "b": np.zeros((w,), np.float32),
-        }
-        for i in range(args.layers)
-    }
+    params, loss_fn, local = mlp(args.width, args.layers, args.batch, rank)
     numel = sum(x.size for x in jax.tree.leaves(params))
-
-    def loss_fn(p, batch):
-        x, y = batch
-        for i in range(args.layers):
-            x = jnp.tanh(x @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"])
-        return jnp.mean((x - y) ** 2)
-
-    data = np.random.default_rng(1 + rank)
-    local = (
-        data.standard_normal((args.batch, w), np.float32),
-        data.standard_normal((args.batch, w), np.float32),
-    )
     batch = tuple(jax.make_array_from_process_local_data(split, a) for a in local)
-    token = jax.make_array_from_process_local_data(split, np.ones((1,), np.float32))
-    barrier_fn = jax.jit(
-        jax.shard_map(lambda t: lax.psum(t, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
-    )
-
-    def barrier() -> float:
-        t0 = time.perf_counter()
-        barrier_fn(token).block_until_ready()
-        return time.perf_counter() - t0
+    barrier = make_barrier(mesh)
 
     names = [m for m in args.methods.split(",") if m]
     steps, states, wire, state_bytes, losses = {}, {}, {}, {}, {}

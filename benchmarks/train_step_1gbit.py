@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -194,31 +193,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_mlp(args, rank: int):
-    import jax.numpy as jnp
-    import numpy as np
+    from _two_ranks import mlp
 
-    w = args.width
-    rng = np.random.default_rng(0)
-    params = {
-        f"layer{i}": {
-            "w": (rng.standard_normal((w, w), np.float32) / np.sqrt(w)).astype(np.float32),
-            "b": np.zeros((w,), np.float32),
-        }
-        for i in range(args.layers)
-    }
-
-    def loss_fn(p, batch):
-        x, y = batch
-        for i in range(args.layers):
-            x = jnp.tanh(x @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"])
-        return jnp.mean((x - y) ** 2)
-
-    data = np.random.default_rng(1 + rank)
-    batch = (
-        data.standard_normal((args.batch, w), np.float32),
-        data.standard_normal((args.batch, w), np.float32),
-    )
-    return params, loss_fn, batch
+    return mlp(args.width, args.layers, args.batch, rank)
 
 
 TRANSFORMER = dict(d=512, layers=4, vocab=4096, seq=64, heads=8)
@@ -330,7 +307,10 @@ def _host_int(x) -> int:
 
 
 def _worker(args: argparse.Namespace) -> None:
-    os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
+    from _two_ranks import barrier as make_barrier
+    from _two_ranks import start_gloo
+
+    rank, n, mesh = start_gloo()  # before JAX is imported: one CPU device per process
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -341,24 +321,13 @@ def _worker(args: argparse.Namespace) -> None:
     import jaxcomm as jc
     from jaxcomm.inspect import wire_bytes
 
-    info = jc.init_distributed("gloo", initialization_timeout=120)
-    rank, n = info.process_id, info.num_processes
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("dp",))
     split = NamedSharding(mesh, P("dp"))
     make_model = make_mlp if args.model == "mlp" else make_transformer
     params, loss_fn, local_batch = make_model(args, rank)
     leaves = jax.tree.leaves(params)
     numel = sum(x.size for x in leaves)
     batch = jax.tree.map(lambda a: jax.make_array_from_process_local_data(split, a), local_batch)
-    token = jax.make_array_from_process_local_data(split, np.ones((1,), np.float32))
-    barrier_fn = jax.jit(
-        jax.shard_map(lambda t: lax.psum(t, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
-    )
-
-    def barrier() -> float:
-        t0 = time.perf_counter()
-        barrier_fn(token).block_until_ready()
-        return time.perf_counter() - t0
+    barrier = make_barrier(mesh)
 
     names = [m for m in args.methods.split(",") if m]
     for name in names:
@@ -377,7 +346,7 @@ def _worker(args: argparse.Namespace) -> None:
                 holder["state"], loss = fn(holder["state"], lbatch)
                 jax.block_until_ready((holder["state"], loss))
                 if name == "local_sync":  # the ranks meet, as every collective makes them
-                    barrier_fn(token).block_until_ready()
+                    barrier()
                 return float(loss)
 
         elif name == "wire_1bit":

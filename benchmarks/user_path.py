@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -74,43 +73,17 @@ def _worker(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from _two_ranks import barrier as make_barrier
+    from _two_ranks import mlp, start_as_user
     from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm as jc
 
-    jax.distributed.initialize(
-        coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        num_processes=int(os.environ["WORLD_SIZE"]),
-        process_id=int(os.environ["RANK"]),
-    )
-    rank, n = jax.process_index(), jax.process_count()
-    mesh = jax.make_mesh((n,), ("dp",))
+    rank, n, mesh = start_as_user()
     split = NamedSharding(mesh, P("dp"))
-
-    # The model: every process has the same initial parameters and its own batch.
-    init = np.random.default_rng(0)
-    params = {
-        f"l{i}": {
-            "w": jnp.asarray(init.standard_normal((WIDTH, WIDTH), np.float32) / np.sqrt(WIDTH)),
-            "b": jnp.zeros(WIDTH),
-        }
-        for i in range(LAYERS)
-    }
-
-    def loss_fn(p, batch):
-        x, y = batch
-        for i in range(LAYERS):
-            x = x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
-            x = jnp.tanh(x) if i < LAYERS - 1 else x
-        return jnp.mean((x - y) ** 2)
-
-    data = np.random.default_rng(1 + rank)
-    batch = (
-        data.standard_normal((BATCH, WIDTH), np.float32),
-        data.standard_normal((BATCH, WIDTH), np.float32),
-    )
+    params, loss_fn, batch = mlp(WIDTH, LAYERS, BATCH, rank, linear_last=True)
 
     def readme_block(reduce):
         """The README's Use block at 64 MiB per process, ``reduce`` in place of the call."""
@@ -225,10 +198,7 @@ def _worker(args: argparse.Namespace) -> None:
         "zero_one_adam": 16,
     }
     names = [m for m in args.methods.split(",") if m]
-    token = jax.make_array_from_process_local_data(split, np.ones((1,), np.float32))
-    barrier = jax.jit(
-        jax.shard_map(lambda t: lax.psum(t, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())
-    )
+    barrier = make_barrier(mesh)
     runs, compile_s = {}, {}
     for name in names:
         t0 = time.perf_counter()
@@ -238,7 +208,7 @@ def _worker(args: argparse.Namespace) -> None:
     times = {name: [] for name in names}
     for _ in range(args.repeats):
         for name in names:
-            barrier(token).block_until_ready()
+            barrier()
             t0 = time.perf_counter()
             jax.block_until_ready(runs[name](args.steps))
             times[name].append((time.perf_counter() - t0) / args.steps)

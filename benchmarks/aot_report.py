@@ -489,7 +489,10 @@ def megascale_transfers(text: str) -> list[dict]:
                     break
                 if op2 not in _NOT_COMPUTE and op2 not in ("send", "recv", f"{op}-done"):
                     between += 1
+            first = re.search(r"[a-z]+[0-9]*\[[0-9,]*\](?:\{[^}]*\})?", shape)
+            tiled = tiled_bytes(first.group(0)) if first else None
             out.append(dict(op=op, dtypes=sorted({a[0] for a in arrays}), bytes=int(nbytes),
+                            tiled_bytes=int(nbytes if tiled is None else tiled),
                             between=between, index=names.index(name)))  # fmt: skip
     return out
 
@@ -615,6 +618,8 @@ def analyse(text: str, devices: list) -> dict:
         overlap_fraction=(overlapped / total) if total else None,
         cross_slice_bytes=sum(r["wire_bytes"] for r in rows if r["crosses_slices"])
         + sum(t["bytes"] for t in dcn if t["op"] == "send"),
+        cross_slice_tiled_bytes=sum(r["tiled_wire_bytes"] for r in rows if r["crosses_slices"])
+        + sum(t["tiled_bytes"] for t in dcn if t["op"] == "send"),
         dcn_sends=[t for t in dcn if t["op"] == "send"],
         dcn_send_dtypes=sorted({d for t in dcn if t["op"] == "send" for d in t["dtypes"]}),
         dcn_send_overlap_fraction=(

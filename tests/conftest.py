@@ -38,11 +38,6 @@ def make_mesh(n: int, name: str = "dp"):
     return jax.sharding.Mesh(np.array(jax.devices()[:n]), (name,), axis_types=(AxisType.Auto,))
 
 
-def stack_state(state, n: int):
-    """Global array of per-device states for shard_map ``P(axis)``: copies along axis 0."""
-    return jax.tree.map(lambda s: np.concatenate([np.asarray(s)] * n), state)
-
-
 def run_sharded(fn, mesh, global_tree, global_state, *, out_tree_spec=None, check_vma=True):
     """Run ``fn(local_tree, local_state)`` in shard_map; tree and state split on axis 0."""
     axis = mesh.axis_names[0]

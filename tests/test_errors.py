@@ -23,7 +23,7 @@ def stacked(*shape, seed=0):
 
 
 def global_state(state, n=N):
-    return jax.tree.map(lambda s: jnp.concatenate([s] * n), state)
+    return jc.stack_per_device(state, n)
 
 
 def pmean(t, s, **kw):

@@ -51,7 +51,7 @@ def test_onebit_backend_avg_matches_model_and_refuses_max(mesh):
     backend = jc.CommBackend(jc.CommConfig(axis_name="dp", compressor=jc.OneBit(), axis_size=N))
     tree = {"g": np.random.default_rng(1).normal(size=(N, 100)).astype(np.float32)}
     state = backend.init_state({"g": tree["g"][0]})
-    global_state = jax.tree.map(lambda s: np.concatenate([s] * N), state)
+    global_state = jc.stack_per_device(state, N)
 
     def body(t, s):
         return backend.all_reduce(jax.tree.map(lambda x: x[0], t), s, op=jc.ReduceOp.AVG)

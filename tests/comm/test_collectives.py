@@ -47,7 +47,7 @@ def run_stacked(fn, mesh, stacked_tree, state, *, check_vma=True, out_spec=None)
     """shard_map over leading device axis of ``stacked_tree``; state stacked by copies."""
     axis = mesh.axis_names[0]
     n = mesh.shape[axis]
-    global_state = jax.tree.map(lambda s: jnp.concatenate([s] * n), state)
+    global_state = jc.stack_per_device(state, n)
 
     def body(t, s):
         out, s = fn(local(t), s)
@@ -105,7 +105,7 @@ def onebit_steps(mesh, stacked_trees, *, mean=True, bucket_bytes=None):
     comp = jc.OneBit()
     n = mesh.shape["dp"]
     state = jc.init_state(comp, local(stacked_trees[0]), axis_size=n, bucket_bytes=bucket_bytes)
-    global_state = jax.tree.map(lambda s: jnp.concatenate([s] * n), state)
+    global_state = jc.stack_per_device(state, n)
     collective = jc.compressed_pmean if mean else jc.compressed_psum
 
     def body(t, s):
@@ -291,7 +291,7 @@ def test_onebit_psum_scatter_matches_model_and_gathers_exactly(mesh):
     comp = jc.OneBit()
     like = local(trees[0])
     state = jc.init_state(comp, like, axis_size=N, op="reduce_scatter")
-    global_state = jax.tree.map(lambda s: jnp.concatenate([s] * N), state)
+    global_state = jc.stack_per_device(state, N)
 
     def body(t, s):
         shards, s = jc.compressed_psum_scatter(local(t), s, axis_name="dp", compressor=comp)

@@ -50,7 +50,7 @@ def make_step(mesh, comp, op):
         )
         out_spec = P("dp")
     state = jc.init_state(comp, local, axis_size=N, op=op)
-    gstate = jax.tree.map(lambda s: jnp.concatenate([s] * N), state)
+    gstate = jc.stack_per_device(state, N)
     fn = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=(out_spec, P("dp")))
     )
@@ -75,7 +75,7 @@ def finite(tree):
 @pytest.mark.parametrize("comp", COMPRESSORS)
 def test_nonfinite_step_keeps_the_state_and_is_counted(mesh, comp, op):
     step, s0 = make_step(mesh, comp, op)
-    assert np.asarray(s0.nonfinite).shape == (N,) and not np.asarray(s0.nonfinite).any()
+    assert np.asarray(s0.nonfinite).shape == (N, 1) and not np.asarray(s0.nonfinite).any()
     out1, s1 = step(data(1), s0)
     _, s1b = step(data(2), s1)
     assert finite(out1) and finite(s1)
@@ -87,7 +87,7 @@ def test_nonfinite_step_keeps_the_state_and_is_counted(mesh, comp, op):
     out_inf, s3 = step(data(3, bad=(5, np.inf)), s2)
     for out in (out_nan, out_inf):
         assert not finite(out), "a non-finite gradient must reach the output"
-    counts = np.asarray(s3.nonfinite)
+    counts = np.asarray(s3.nonfinite).reshape(-1)
     if op == "all_reduce":
         # The output is replicated, so every device sees it and keeps its state.
         np.testing.assert_array_equal(counts, np.full(N, 2))
@@ -111,7 +111,7 @@ def test_nonfinite_step_keeps_the_state_and_is_counted(mesh, comp, op):
         for got, want in zip(host((out4, s4.buckets)), host((ref_out, ref_s.buckets)), strict=True):
             np.testing.assert_array_equal(got, want)
     assert finite(out4) and finite(s4)
-    np.testing.assert_array_equal(np.asarray(s4.nonfinite), counts)
+    np.testing.assert_array_equal(np.asarray(s4.nonfinite).reshape(-1), counts)
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,7 @@ def test_overflow_to_inf_is_treated_as_nonfinite(mesh):
     assert finite(huge)
     out, s2 = step(huge, s1)
     assert not finite(out)
-    np.testing.assert_array_equal(np.asarray(s2.nonfinite), np.ones(N))
+    np.testing.assert_array_equal(np.asarray(s2.nonfinite).reshape(-1), np.ones(N))
     for got, want in zip(host(s2.buckets), host(s1.buckets), strict=True):
         np.testing.assert_array_equal(got, want)
 
@@ -147,7 +147,7 @@ def test_the_guard_copies_no_error_buffer_when_the_state_is_donated_and_returned
     numel = 8 * N * 64
     comp = jc.OneBit()
     state = jc.init_state(comp, jax.ShapeDtypeStruct((numel,), jnp.float32), axis_size=N)
-    gstate = jax.tree.map(lambda s: jnp.concatenate([s] * N), state)
+    gstate = jc.stack_per_device(state, N)
 
     def body(s, x):
         mean, s = jc.compressed_pmean(x, s, axis_name="dp", compressor=comp)
@@ -186,7 +186,7 @@ def make_fallback_steps(mesh, comp, shapes, bucket_bytes=None):
     (fallback: a replicated tree)."""
     local = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
     state = jc.init_state(comp, local, axis_size=N, bucket_bytes=bucket_bytes)
-    gstate = jax.tree.map(lambda s: jnp.concatenate([s] * N), state)
+    gstate = jc.stack_per_device(state, N)
     kw = dict(axis_name="dp", compressor=comp, bucket_bytes=bucket_bytes)
 
     def plain(t, s):

@@ -97,7 +97,7 @@ def build(spec, n, comp, bucket_bytes):
         body, mesh=make_mesh(n), in_specs=(spec_dp, spec_dp, spec_dp, spec_dp),
         out_specs=(P(), spec_dp, spec_dp),
     ))
-    glob = lambda s: jax.tree.map(lambda a: jnp.concatenate([a] * n), s)  # noqa: E731
+    glob = lambda s: jc.stack_per_device(s, n)  # noqa: E731
     return fn, glob(s_ar), glob(s_rs), like
 
 
@@ -173,7 +173,7 @@ def test_pmean_dtypes_match_lax(comp, spec, bucket_bytes):
     like = {f"l{i}": jax.ShapeDtypeStruct((n, *s), d) for i, (s, d) in enumerate(spec)}
     local = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in like.items()}
     state = jc.init_state(comp, local, axis_size=n, bucket_bytes=bucket_bytes)
-    gstate = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n * s.shape[0],), s.dtype), state)
+    gstate = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), state)
 
     def body(x, s):
         x = jax.tree.map(lambda v: v[0], x)

@@ -26,7 +26,7 @@ def local(tree):
 
 
 def global_state(state, n: int = N):
-    return jax.tree.map(lambda s: jnp.concatenate([s] * n), state)
+    return jc.stack_per_device(state, n)
 
 
 def reduce_steps(mesh, trees, comp, *, mean=True, bucket_bytes=None):
@@ -61,7 +61,7 @@ def compiled(mesh, local_tree, body, state=()):
         )
     )
     stacked_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct((N, *x.shape), x.dtype), local_tree)
-    gs = jax.tree.map(lambda s: jax.ShapeDtypeStruct((N * s.shape[0],), s.dtype), state)
+    gs = jax.tree.map(lambda s: jax.ShapeDtypeStruct((N, *s.shape), s.dtype), state)
     return fn.lower(stacked_tree, gs).compile().as_text()
 
 

@@ -118,7 +118,8 @@ def finish(compressor, p: Plan, gathered, workers, servers, comm: ReduceState, n
     """Stage 3 on every device: ``(the mean's leaves in fragment order, the new state)``."""
     num_leaves = sum(len(b.leaf_ids) for b in p.buckets)
     out: list = [None] * num_leaves
-    states, bad = [], jnp.bool_(False)
+    states: list[tuple[TwoStageState, Any]] = []
+    bad = jnp.bool_(False)
     for k, bucket in enumerate(p.buckets):
         mean = _decode(compressor, gathered[k]).reshape(-1)[: bucket.numel]
         if isinstance(compressor, NoCompression):
@@ -131,8 +132,6 @@ def finish(compressor, p: Plan, gathered, workers, servers, comm: ReduceState, n
                 finite = finite & jnp.all(jnp.isfinite(x))
             states.append((new, old))
             bad = bad | ~finite
-        else:
-            states.append(comm.buckets[k] if comm.buckets else ())
         for i, leaf in zip(bucket.leaf_ids, unflatten_bucket(mean, bucket), strict=True):
             out[i] = leaf
     if not p.guarded:

@@ -166,9 +166,16 @@ def wire_order(idx: jax.Array, plan: ChunkPlan) -> jax.Array:
 def _set_bits(bits: jax.Array, k: int) -> jax.Array:
     """Positions of the ``k`` set bits along the last axis of ``bits``, ascending (int32)."""
     n = bits.shape[-1]
-    # Set bits score above clear ones, lower positions above higher: top-k lists them in order.
-    _, pos = jax.lax.top_k(bits.astype(jnp.int32) * (2 * n) - jnp.arange(n), k)
-    return pos.astype(jnp.int32)
+    # The j-th set bit lands in slot j (its rank); clear bits go to a dropped slot k.
+    on = bits.astype(jnp.int32)
+    slot = jnp.where(on > 0, jnp.cumsum(on, axis=-1) - 1, k)
+    flat = slot.reshape(-1, n) + (k + 1) * jnp.arange(slot.size // n)[:, None]
+    out = (
+        jnp.zeros((slot.size // n) * (k + 1), jnp.int32)
+        .at[flat.reshape(-1)]
+        .set(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), flat.shape).reshape(-1))
+    )
+    return out.reshape(*bits.shape[:-1], k + 1)[..., :k]
 
 
 def to_bits(values: jax.Array, width: int) -> jax.Array:

@@ -149,7 +149,7 @@ def index_code(plan: ChunkPlan) -> str:
       offset ``x_i`` (Elias, 1974; Fano, 1971). 512 bits for 64 of 4096 instead of 768.
     """
     bits = _code_bits(plan)
-    return min(bits, key=bits.get)
+    return min(bits, key=lambda code: bits[code])
 
 
 def index_bits(plan: ChunkPlan) -> int:

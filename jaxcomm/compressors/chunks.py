@@ -20,6 +20,7 @@ Wire codes (little-endian bit order):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
@@ -233,3 +234,23 @@ def unpack_bits(packed: jax.Array, count: int) -> jax.Array:
     """Inverse of :func:`pack_bits` over the last axis: ``(..., count)`` uint8 bits."""
     bits = (packed[..., None] >> jnp.arange(8, dtype=jnp.uint8)) & np.uint8(1)
     return bits.reshape(*packed.shape[:-1], -1)[..., :count]
+
+
+def offset_bytes(plans: Sequence[ChunkPlan]) -> int:
+    """Bytes of every kept offset of ``plans`` (the leaves that keep values, in order), their
+    :func:`encode_offsets` bits one after another in :func:`pack_bits`."""
+    return -(-sum(p.chunks * index_bits(p) for p in plans if p.kept) // 8)
+
+
+def unpack_offsets(packed: jax.Array, plans: Sequence[ChunkPlan]) -> list[jax.Array]:
+    """Inverse of :func:`offset_bytes`' packing over the last axis (``packed`` may run on):
+    the ``(..., chunks, k)`` int32 offsets of each plan that keeps values, in order."""
+    total = sum(p.chunks * index_bits(p) for p in plans if p.kept)
+    bits = unpack_bits(packed[..., : -(-total // 8)], total)
+    out, at = [], 0
+    for plan in plans:
+        if plan.kept:
+            width = plan.chunks * index_bits(plan)
+            out.append(decode_offsets(bits[..., at : at + width], plan))
+            at += width
+    return out

@@ -15,14 +15,13 @@ from jaxcomm.compressors.chunks import (
     ChunkPlan,
     chunk_plan,
     chunk_positions,
-    decode_offsets,
     encode_offsets,
-    index_bits,
+    offset_bytes,
     pack_bits,
     pack_codes,
     to_chunks,
-    unpack_bits,
     unpack_codes,
+    unpack_offsets,
     wire_order,
 )
 from jaxcomm.compressors.topk import TopKState
@@ -159,9 +158,8 @@ class SparseLoCo(Compressor):
         plans = self.plans(shapes)
         kept = sum(p.kept for p in plans)
         leaves = sum(1 for p in plans if p.kept)
-        offset_bits = sum(p.chunks * index_bits(p) for p in plans if p.kept)
         codes = -(-kept * self.bits // 8)
-        return -(-offset_bits // 8) + codes + 4 * (1 + 2**self.bits) * leaves
+        return offset_bytes(plans) + codes + 4 * (1 + 2**self.bits) * leaves
 
     def init_bucket_state(self, bucket, axis_size, op):
         if op != "all_reduce":
@@ -223,21 +221,17 @@ class SparseLoCo(Compressor):
         kept = sum(p.kept for p in plans)
         bins = 2**self.bits
         n = parts.shape[0]
-        nbits = sum(p.chunks * index_bits(p) for p in plans if p.kept)
-        idx_end = -(-nbits // 8)
+        idx_end = offset_bytes(plans)
         code_end = idx_end + -(-kept * self.bits // 8)
-        offset_bits = unpack_bits(parts[:, :idx_end], nbits)
+        offsets = iter(unpack_offsets(parts, plans))
         codes = unpack_codes(parts[:, idx_end:code_end], self.bits, kept)
         meta = parts[:, code_end:].reshape(n, -1, 1 + bins, 4)
         meta = lax.bitcast_convert_type(meta, jnp.float32)
         positions, values = [], []
-        start, at, leaf, bit = 0, 0, 0, 0
+        start, at, leaf = 0, 0, 0
         for plan in plans:
             if plan.kept:
-                width = plan.chunks * index_bits(plan)
-                off = decode_offsets(offset_bits[:, bit : bit + width], plan)
-                bit += width
-                positions.append(start + chunk_positions(off, plan).reshape(n, -1))
+                positions.append(start + chunk_positions(next(offsets), plan).reshape(n, -1))
                 codebook = meta[:, leaf, 1:]
                 q = codes[:, at : at + plan.kept]
                 values.append(jnp.take_along_axis(codebook, q, axis=1) + meta[:, leaf, :1])

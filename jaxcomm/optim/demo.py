@@ -22,13 +22,12 @@ from jaxcomm.compressors import keep_if
 from jaxcomm.compressors.chunks import (
     ChunkPlan,
     chunk_plan,
-    decode_offsets,
     encode_offsets,
     from_chunks,
-    index_bits,
+    offset_bytes,
     pack_bits,
     to_chunks,
-    unpack_bits,
+    unpack_offsets,
     wire_order,
 )
 from jaxcomm.optim._common import (
@@ -248,24 +247,22 @@ def demo(
             )
             parts = all_gather_replicated(ensure_varying(packed, axis_name), axis_name)
             n = parts.shape[0]
-            nbits = sum(p.chunks * index_bits(p) for p in plans if p.kept)
-            all_bits = unpack_bits(parts[:, : -(-nbits // 8)], nbits)
-            raw = parts[:, -(-nbits // 8) :].reshape(n, total, wire.itemsize)
+            all_offsets = iter(unpack_offsets(parts, plans))
+            raw = parts[:, offset_bytes(plans) :].reshape(n, total, wire.itemsize)
             all_values = lax.bitcast_convert_type(raw, wire).astype(jnp.float32)
             ok = jnp.isfinite(jnp.sum(all_values))
         else:
             ok = jnp.ones([], jnp.bool_)
 
         # 7: scatter-mean over contributors in DCT space, inverse DCT, sign.
-        directions, at, bit = [], 0, 0
+        directions, at = [], 0
         for g, plan in zip(grads, plans, strict=True):
             if not plan.kept:
                 directions.append(jnp.zeros_like(g))
                 continue
-            width = plan.chunks * index_bits(plan)
-            off = decode_offsets(all_bits[:, bit : bit + width], plan)
+            off = next(all_offsets)
             val = all_values[:, at : at + plan.kept].reshape(-1)
-            at, bit = at + plan.kept, bit + width
+            at += plan.kept
             flat = (jnp.arange(plan.chunks)[:, None] * plan.length + off).reshape(-1)
             sums = jnp.zeros((plan.chunks * plan.length,), jnp.float32).at[flat].add(val)
             count = jnp.zeros((plan.chunks * plan.length,), jnp.float32).at[flat].add(1.0)
@@ -299,5 +296,4 @@ def message_bytes(shapes, *, top_k: int = 32, chunk_size: int = 64, value_dtype=
     """Bytes of one device's :func:`demo` message for parameters of ``shapes``: ``ceil(sum
     chunks index_bits / 8)`` bytes of offsets, then every kept value in ``value_dtype``."""
     plans = [demo_plan(tuple(s), chunk_size, top_k) for s in shapes]
-    bits = sum(p.chunks * index_bits(p) for p in plans if p.kept)
-    return -(-bits // 8) + sum(p.kept for p in plans) * np.dtype(value_dtype).itemsize
+    return offset_bytes(plans) + sum(p.kept for p in plans) * np.dtype(value_dtype).itemsize

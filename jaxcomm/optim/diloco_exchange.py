@@ -177,7 +177,8 @@ def bound_exit(seconds: float) -> None:
     whose sync failed skips what is left of it and exits with status 1.
     """
     if not _exit_grace:
-        atexit.register(_start_exit_watchdog)  # runs before JAX's exit handler (registered first)
+        # atexit runs the latest registration first: before JAX's handler (from `import jax`).
+        atexit.register(_start_exit_watchdog)
     _exit_grace[:] = [float(seconds)]
 
 

@@ -7,11 +7,51 @@ writes ``DIR/rank{r}.json``, which this returns.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+
+def two_rank_parser(
+    description: str | None,
+    *,
+    methods: Sequence[str] = (),
+    rate: str = "1gbit",
+    repeats: int = 5,
+    repeats_help: str = "timed rounds per method",
+    timeout: float = 900.0,
+) -> argparse.ArgumentParser:
+    """A parser with the options every two-process benchmark takes: ``--rate``, ``--repeats``,
+    ``--no-shape``, ``--json``, ``--timeout``, the hidden ``--worker`` and, with ``methods``,
+    ``--methods`` (comma-separated, all by default). Add the benchmark's own options to it."""
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--rate", default=rate, help=f"tc rate of the shaped loopback ({rate})")
+    p.add_argument("--repeats", type=int, default=repeats, help=f"{repeats_help} ({repeats})")
+    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
+    if methods:
+        p.add_argument(
+            "--methods", default=",".join(methods), help=f"comma-separated ({','.join(methods)})"
+        )
+    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds before giving up")
+    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    return p
+
+
+def finish_worker(args, rank: int, result: dict, barrier: Callable | None = None) -> None:
+    """A worker's last steps: its result to ``DIR/rank{rank}.json``, a barrier (both ranks
+    written before either leaves) and ``jax.distributed.shutdown()``."""
+    import jax
+
+    Path(args.worker, f"rank{rank}.json").write_text(json.dumps(result))
+    if barrier is not None:
+        barrier()
+    jax.distributed.shutdown()
 
 
 def run_two_ranks(
@@ -43,7 +83,7 @@ def run_two_ranks(
 
 def report_two_ranks(
     script: str,
-    worker_args: list[str],
+    worker_args: list[str] | None,
     args,
     *,
     prefix: str,
@@ -52,11 +92,15 @@ def report_two_ranks(
 ) -> int:
     """The launcher side of a benchmark's ``main``: both ranks, then the summary.
 
+    Each rank runs ``script --worker DIR`` with ``worker_args``; ``None`` passes the launcher's
+    own command-line arguments (the workers parse the same options).
     Runs :func:`run_two_ranks` with ``args.rate``, ``args.no_shape`` and ``args.timeout``,
     prints ``table(summarize(ranks, args, shaped))`` and writes the summary to ``args.json``
     when given. Returns the exit status (0, also when shaping is impossible: SKIP printed).
     """
     shaped = not args.no_shape
+    if worker_args is None:
+        worker_args = sys.argv[1:]
     ranks = run_two_ranks(
         script, worker_args, rate=args.rate, shaped=shaped, timeout=args.timeout, prefix=prefix
     )

@@ -21,7 +21,6 @@ Usage (needs root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped lo
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -75,17 +74,10 @@ def make_compressor(name: str):
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    from _two_ranks import two_rank_parser
+
+    p = two_rank_parser(__doc__, methods=METHODS, repeats_help="timed runs per method")
     p.add_argument("--size-mb", type=float, default=64.0, help="fp32 MiB per process (64)")
-    p.add_argument("--rate", default="1gbit", help="tc rate of the shaped loopback (1gbit)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per method (5)")
-    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
-    p.add_argument(
-        "--methods", default=",".join(METHODS), help=f"comma-separated ({','.join(METHODS)})"
-    )
-    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
-    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -96,7 +88,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _worker(args: argparse.Namespace) -> None:
     from _two_ranks import barrier as make_barrier
-    from _two_ranks import start_gloo
+    from _two_ranks import finish_worker, start_gloo
 
     rank, n, mesh = start_gloo()  # before JAX is imported: one CPU device per process
     import jax
@@ -185,9 +177,7 @@ def _worker(args: argparse.Namespace) -> None:
         print(f"rank {rank} {name}: {[round(t, 4) for t in times[name]]}", flush=True)
 
     result = {"rank": rank, "num_processes": n, "numel": numel, "times": times, "wire": wire}
-    Path(args.worker, f"rank{rank}.json").write_text(json.dumps(result))
-    barrier()
-    jax.distributed.shutdown()
+    finish_worker(args, rank, result, barrier)
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,10 +252,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from _two_ranks import report_two_ranks
 
-    worker_args = ["--size-mb", str(args.size_mb), "--repeats", str(args.repeats)]
-    worker_args += ["--methods", args.methods]
     return report_two_ranks(
-        __file__, worker_args, args, prefix="jaxcomm-bench-", summarize=_summarize, table=_table
+        __file__, argv, args, prefix="jaxcomm-bench-", summarize=_summarize, table=_table
     )
 
 

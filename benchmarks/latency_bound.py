@@ -74,6 +74,7 @@ def _worker(args) -> None:
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
     import jax
     import numpy as np
+    from _two_ranks import finish_worker
     from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -143,9 +144,7 @@ def _worker(args) -> None:
                 times[name].append(time.perf_counter() - t0)
         print(f"{name}: {collectives[name]} collectives, {[round(t, 4) for t in times[name]]}")
     result = dict(rank=rank, times=times, collectives=collectives, compile_s=compile_s)
-    Path(args.worker, f"rank{rank}.json").write_text(json.dumps(result))
-    barrier()
-    jax.distributed.shutdown()
+    finish_worker(args, rank, result, barrier)
 
 
 def _run(args, delay: str | None) -> dict:

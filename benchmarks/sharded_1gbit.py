@@ -27,7 +27,6 @@ Usage (root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped loopback
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -68,25 +67,18 @@ def make_tx(name: str, axis: str, lr: float = 1e-3):
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    from _two_ranks import two_rank_parser
+
+    p = two_rank_parser(__doc__, methods=METHODS, repeats_help="timed steps per method")
     p.add_argument("--width", type=int, default=2048, help="hidden width (2048)")
     p.add_argument("--layers", type=int, default=4, help="width x width layers (4)")
     p.add_argument("--batch", type=int, default=16, help="examples per process per step (16)")
-    p.add_argument("--rate", default="1gbit", help="tc rate of the shaped loopback (1gbit)")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per method (5)")
-    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
-    p.add_argument(
-        "--methods", default=",".join(METHODS), help=f"comma-separated ({','.join(METHODS)})"
-    )
-    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
-    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def _worker(args: argparse.Namespace) -> None:
     from _two_ranks import barrier as make_barrier
-    from _two_ranks import mlp, start_gloo
+    from _two_ranks import finish_worker, mlp, start_gloo
 
     rank, n, mesh = start_gloo()  # before JAX is imported: one CPU device per process
     import jax
@@ -141,9 +133,7 @@ def _worker(args: argparse.Namespace) -> None:
         state_bytes=state_bytes,
         losses=losses,
     )
-    Path(args.worker, f"rank{rank}.json").write_text(json.dumps(result))
-    barrier()
-    jax.distributed.shutdown()
+    finish_worker(args, rank, result, barrier)
 
 
 def _summarize(ranks: list[dict], args: argparse.Namespace, shaped: bool) -> dict:
@@ -197,11 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from _two_ranks import report_two_ranks
 
-    worker_args = ["--width", str(args.width), "--layers", str(args.layers)]
-    worker_args += ["--batch", str(args.batch), "--repeats", str(args.repeats)]
-    worker_args += ["--methods", args.methods]
     return report_two_ranks(
-        __file__, worker_args, args, prefix="jaxcomm-sharded-", summarize=_summarize, table=_table
+        __file__, argv, args, prefix="jaxcomm-sharded-", summarize=_summarize, table=_table
     )
 
 

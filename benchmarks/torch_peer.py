@@ -42,14 +42,10 @@ JAX_LEGS = ("jax_local", "jax_fp32", "jax_fp16", "jax_powersgd", "jax_onebit")
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rate", default="1gbit", help="tc rate of the shaped loopback (1gbit)")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds per leg (5)")
+    from _two_ranks import two_rank_parser
+
+    p = two_rank_parser(__doc__.split("\n")[0], repeats_help="timed rounds per leg", timeout=1800.0)
     p.add_argument("--steps", type=int, default=3, help="steps per round (3)")
-    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
-    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
-    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -288,9 +284,8 @@ def main(argv=None) -> int:
         return 0
     from _two_ranks import report_two_ranks
 
-    worker_args = [f"--repeats={args.repeats}", f"--steps={args.steps}"]
     return report_two_ranks(
-        __file__, worker_args, args, prefix="torch_peer_", summarize=_summarize, table=_table
+        __file__, argv, args, prefix="torch_peer_", summarize=_summarize, table=_table
     )
 
 

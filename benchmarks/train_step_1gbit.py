@@ -64,7 +64,6 @@ Usage (root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped loopback
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -159,7 +158,9 @@ def make_tx(name: str, axis: str, bucket_bytes: int | None, lr: float = 1e-3, *,
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    from _two_ranks import two_rank_parser
+
+    p = two_rank_parser(__doc__, methods=METHODS, repeats_help="timed rounds")
     p.add_argument("--model", choices=("mlp", "transformer"), default="mlp", help="(mlp)")
     p.add_argument("--width", type=int, default=2048, help="MLP hidden width (2048)")
     p.add_argument("--layers", type=int, default=4, help="MLP width x width layers (4)")
@@ -170,15 +171,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="bucket_bytes of every method (mlp: None, one bucket; transformer: 4 MiB)",
     )
-    p.add_argument("--rate", default="1gbit", help="tc rate of the shaped loopback (1gbit)")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds (5)")
-    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
-    p.add_argument(
-        "--methods", default=",".join(METHODS), help=f"comma-separated ({','.join(METHODS)})"
-    )
-    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
-    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.batch is None:
         args.batch = 16 if args.model == "mlp" else 4
@@ -308,7 +300,7 @@ def _host_int(x) -> int:
 
 def _worker(args: argparse.Namespace) -> None:
     from _two_ranks import barrier as make_barrier
-    from _two_ranks import start_gloo
+    from _two_ranks import finish_worker, start_gloo
 
     rank, n, mesh = start_gloo()  # before JAX is imported: one CPU device per process
     import jax
@@ -479,9 +471,7 @@ def _worker(args: argparse.Namespace) -> None:
         compile_s=compile_s,
         losses=losses,
     )
-    Path(args.worker, f"rank{rank}.json").write_text(json.dumps(result))
-    barrier()
-    jax.distributed.shutdown()
+    finish_worker(args, rank, result, barrier)
 
 
 # --------------------------------------------------------------------------------------------
@@ -581,14 +571,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from _two_ranks import report_two_ranks
 
-    worker_args = ["--model", args.model, "--width", str(args.width), "--layers", str(args.layers)]
-    worker_args += ["--batch", str(args.batch), "--repeats", str(args.repeats)]
-    worker_args += ["--methods", args.methods]
-    if args.bucket_bytes is not None:
-        worker_args += ["--bucket-bytes", str(args.bucket_bytes)]
     return report_two_ranks(
         __file__,
-        worker_args,
+        argv,
         args,
         prefix="jaxcomm-train-step-",
         summarize=_summarize,

@@ -36,7 +36,6 @@ Usage (root for ``unshare``/``tc``)::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -56,15 +55,10 @@ WIDTH, LAYERS, BATCH = 2048, 4, 16
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rate", default="1gbit", help="tc rate of the shaped loopback (1gbit)")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds per method (5)")
+    from _two_ranks import two_rank_parser
+
+    p = two_rank_parser(__doc__.split("\n")[0], methods=METHODS, timeout=1800.0)
     p.add_argument("--steps", type=int, default=4, help="steps per round, unread (4)")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
-    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
-    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
-    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -74,7 +68,7 @@ def _worker(args: argparse.Namespace) -> None:
     import numpy as np
     import optax
     from _two_ranks import barrier as make_barrier
-    from _two_ranks import mlp, start_as_user
+    from _two_ranks import finish_worker, mlp, start_as_user
     from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -212,10 +206,7 @@ def _worker(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             jax.block_until_ready(runs[name](args.steps))
             times[name].append((time.perf_counter() - t0) / args.steps)
-    Path(args.worker, f"rank{rank}.json").write_text(
-        json.dumps({"rank": rank, "times": times, "compile_s": compile_s})
-    )
-    jax.distributed.shutdown()
+    finish_worker(args, rank, {"rank": rank, "times": times, "compile_s": compile_s})
 
 
 def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
@@ -266,13 +257,8 @@ def main(argv=None) -> int:
         return 0
     from _two_ranks import report_two_ranks
 
-    worker_args = [
-        f"--methods={args.methods}",
-        f"--repeats={args.repeats}",
-        f"--steps={args.steps}",
-    ]
     return report_two_ranks(
-        __file__, worker_args, args, prefix="user_path_", summarize=_summarize, table=_table
+        __file__, argv, args, prefix="user_path_", summarize=_summarize, table=_table
     )
 
 

@@ -307,6 +307,11 @@ def make_pmap_train_step(
     ``step.pmapped`` is the underlying ``pmap`` function (batch already ``(n, b, ...)``);
     with ``specialize_phases`` (as :func:`make_train_step`'s: one ``pmap`` per phase, chosen on
     the host) it is the :class:`jaxcomm.train.phased.PhasedStep`, and ``step.phased`` too.
+
+    ``tx`` must average the gradients over ``axis_name`` (a jaxcomm optimizer, or an optax one
+    chained after :func:`jaxcomm.compressed_mean`). :func:`make_train_step` refuses one that
+    does not; ``pmap`` tracks no replication, so here each device's parameters would drift
+    apart silently.
     """
     devices = list(jax.local_devices() if devices is None else devices)
     n = len(devices)

@@ -304,13 +304,33 @@ def time_to_loss_table(results: dict[str, dict]) -> str:
                 cells.append(f"{row['seconds_to_adam_loss']:.1f} s")
             else:
                 cells.append("not run" if row is None else "not reached" if not speed else
-                             f"{speed:.2f}x")
+                             f"{speed:.2f}x{_spread(row)}")
         rows.append([label, *cells])
     sources = ", ".join(source(name) for name, _ in runs)
     return (table(header, rows)
             + "\nWall-clock training time until the held-out loss exact Adam ends with, against "
-            "Adam's own time; byte-level transformer LM, 2 processes on a shaped link, one run "
-            f"each ({sources}; protocol and settings: `benchmarks/results/time_to_loss.md`).\n")
+            "Adam's own time; byte-level transformer LM, 2 processes on a shaped link, "
+            f"{_how_many(runs)} ({sources}; protocol and settings: "
+            "`benchmarks/results/time_to_loss.md`).\n")
+
+
+def _spread(row: dict) -> str:
+    """A repeated run's range of speedups, `` (low-high)``; nothing for one run."""
+    if "speedup_min" not in row:
+        return ""
+    low = f"{row['speedup_min']:.2f}" if row["speedup_min"] else "not reached"
+    return f" ({low}-{row['speedup_max']:.2f})"
+
+
+def _how_many(runs) -> str:
+    """How many runs each column is: one, or the median of several (the range in brackets)."""
+    counts = [doc.get("repeats", 1) for _, doc in runs]
+    if max(counts) == 1:
+        return "one run each"
+    columns = ", ".join(f"{doc.get('params', 0) / 1e3:.0f}k at {doc['rate']}"
+                        for _, doc in runs if doc.get("repeats", 1) > 1)
+    return (f"the median of {max(counts)} runs, the range in brackets, for {columns}; one run "
+            "for the others")
 
 
 #: One run per link and model: methods within this factor of the best are not told apart.
@@ -356,7 +376,7 @@ def pick_table(results: dict[str, dict]) -> str:
     return (table(["link", "model", "pick (times sooner than exact Adam)", "then",
                    "no sooner than exact Adam"], rows)
             + f"\nTimes sooner: wall-clock training time until exact Adam's final held-out loss, "
-            f"against Adam's own time (the table above). One run each, so methods within "
+            f"against Adam's own time (the table above: {_how_many(runs)}); methods within "
             f"{100 * (1 - TIE):.0f}% of the fastest share the pick ({sources}).\n")
 
 

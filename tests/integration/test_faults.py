@@ -33,8 +33,8 @@ step = jax.jit(jax.shard_map(
     lambda t, s: jc.compressed_pmean(t, s, axis_name="dp", compressor=comp),
     mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=(P(), P("dp"))))
 put = lambda x: jax.make_array_from_process_local_data(NamedSharding(mesh, P("dp")), x)
-# Each process passes its own device's state; the global array holds all n.
-state = jax.tree.map(put, jc.init_state(comp, local, axis_size=n))
+# The stacked layout (n, *local): each process passes its own device's row.
+state = jax.tree.map(lambda s: put(np.asarray(s)[None]), jc.init_state(comp, local, axis_size=n))
 for i in range(1_000_000):
     g = {"g": put(np.random.default_rng(i).normal(size=1024).astype(np.float32))}
     mean, state = step(g, state)

@@ -13,22 +13,28 @@ step) with each method, through ``jc.make_train_step`` with its default argument
   gradients with error feedback; with ``background=True`` (the sync on a host thread, merged
   ``tau = 2`` steps later) where ``jc.diloco`` offers it;
 * ``streaming_diloco``: the same in ``F = 4`` fragments, ``tau = 2`` (background likewise);
-* ``sparseloco``: ``jc.diloco`` with ``jc.SparseLoCo`` outer gradients and outer ``optax.sgd``;
+* ``sparseloco``: ``jc.diloco`` with ``jc.SparseLoCo`` outer gradients and outer ``optax.sgd``
+  (its learning rate and the error feedback's decay selected, as is the outer learning rate of
+  its baseline, fp32 DiLoCo with outer ``optax.sgd``, in ``--quality``);
 * ``demo``: ``jc.demo``.
 
 Protocol. ``exact_adam`` runs first for ``--steps`` steps; its final held-out loss is the
 target and its training time ``T`` the budget. Every other method then trains until its
 held-out loss reaches the target or its training time reaches ``T``. The clock covers the
-training steps only (both ranks wait at a barrier before each block of ``EVAL_EVERY`` steps;
-a block's time is the slower rank's); held-out evaluation (512 fixed windows; DiLoCo's outer
-parameters, 0/1 Adam's mean parameters) and compilation are outside it: every method first
-runs ``WARM`` untimed steps (1-bit Adam: past its warm-up) from a copy of its initial state,
-which compiles the programs of its schedule (a program compiled inside the clock is counted
-in the results). Bytes are what crossed the shaped link (the private namespace's loopback
-counters, all traffic during the timed blocks, divided by the two processes: TCP/IP headers
-included). Reported per method: time to reach exact Adam's final loss (at the first evaluation
-at or below it; ``T`` for exact Adam itself), or the loss reached within ``T``; the speedup
-``T / time``; bytes.
+training steps only (both ranks wait at a barrier before each block of ``EVAL_EVERY`` steps; a
+block's time is the slower rank's); held-out evaluation (512 fixed windows; DiLoCo's outer
+parameters, 0/1 Adam's mean parameters) and compilation are outside it: every method first runs
+``WARM`` untimed steps (1-bit Adam: past its warm-up) from a copy of its initial state, then,
+where the step is phase-specialised and has no background sync, the program of every phase
+combination its schedule can take once (0/1 Adam's later kinds of step); a program compiled
+inside the clock is still counted in the results. A background sync in flight when a block ends
+keeps running during the evaluation. Bytes are what crossed the shaped link (the private
+namespace's loopback counters, all traffic during the timed blocks, divided by the two
+processes: TCP/IP headers included). Reported per method: time to reach exact Adam's final loss
+(at the first evaluation at or below it, so over-estimated by up to one block; ``T`` for exact
+Adam itself), or the loss reached within ``T``; the speedup ``T / time``; bytes. ``--combine``
+makes one result of repeated runs: each method's median (each run's speedup against exact Adam
+in that run) and its range.
 
 Settings (``SETTINGS``) were chosen once, by ``--select`` (seed 1, in one process on two
 simulated devices, ``SELECT_STEPS`` steps of the small model, the lowest held-out loss of each
@@ -49,6 +55,7 @@ Usage (root for ``unshare``/``tc``; one link speed per invocation)::
     python benchmarks/time_to_loss.py --ablate --json OUT
     python benchmarks/time_to_loss.py --plot PNG RESULT.json [RESULT.json ...]
     python benchmarks/time_to_loss.py --markdown RESULT.json [RESULT.json ...]
+    python benchmarks/time_to_loss.py --combine OUT RUN.json RUN.json [...]
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ METHODS = (
 )
 SIZES = {"small": dict(width=64, heads=4, layers=2), "large": dict(width=128, heads=4, layers=4)}
 BATCH = 16  # windows of 32 bytes per process and step
-EVAL_EVERY = 20
+EVAL_EVERY = 10
 WARM = 44  # untimed steps that compile each schedule's programs (DiLoCo: two syncs + tau)
 SELECT_STEPS = 600
 FREEZE_FRACTION = 0.15  # 1-bit Adam's exact warm-up, a share of exact Adam's steps
@@ -85,10 +92,12 @@ FREEZE_FRACTION = 0.15  # 1-bit Adam's exact warm-up, a share of exact Adam's st
 SETTINGS = {
     "lr": 3e-3,  # Adam's, shared by 1-bit Adam, 0/1 Adam and DiLoCo's inner Adam
     "sync_every": 20,  # DiLoCo's H (not selected: >= 30 outer steps in 600 steps)
-    "sparseloco_outer_lr": 1.0,
+    "sparseloco_outer_lr": 1.25,
     # Of the paper's 1-3% densities, 128 of 4096 (3.1%; the 72B run's 64 is 1.56%), 2-bit
-    # values, the 72B run's error decay 0.95.
+    # values. The error decay was selected at outer lr 1.0, then the outer lr at it.
     "sparseloco_top_k": 128,
+    "sparseloco_error_decay": 0.8,
+    "diloco_sgd_outer_lr": 1.0,  # fp32 DiLoCo with outer SGD, SparseLoCo's baseline
     "demo_lr": 3e-3,
 }
 #: ``--ablate``: SparseLoCo's settings one at a time from the 72B run's (top-64 of 4096, 2-bit,
@@ -104,8 +113,10 @@ ABLATIONS = {
 #: ``--select``'s grids.
 GRIDS = {
     "lr": (1e-3, 3e-3, 1e-2),
-    "sparseloco_outer_lr": (0.7, 1.0),
+    "sparseloco_outer_lr": (0.7, 1.0, 1.25, 1.5),
     "sparseloco_top_k": (64, 128),
+    "sparseloco_error_decay": (0.6, 0.7, 0.8, 0.9, 0.95, 0.98),
+    "diloco_sgd_outer_lr": (0.7, 1.0, 1.25, 1.5),
     "demo_lr": (3e-4, 1e-3, 3e-3),
 }
 
@@ -131,6 +142,12 @@ def _parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--plot", nargs="+", metavar=("PNG", "JSON"), help="plot result files")
     p.add_argument("--markdown", nargs="+", metavar="JSON", help="print result files' tables")
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        metavar=("OUT", "JSON"),
+        help="repeated runs of one model and link into one result of medians",
+    )
     p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -166,7 +183,7 @@ def make_tx(name: str, settings: dict, steps: int, axis: str = "dp"):
     if name == "diloco_fp32":
         return jc.diloco(optax.adam(lr), nesterov, h, axis)
     if name == "diloco_fp32_sgd":  # SparseLoCo's outer optimizer, uncompressed
-        return jc.diloco(optax.adam(lr), optax.sgd(settings["sparseloco_outer_lr"]), h, axis)
+        return jc.diloco(optax.adam(lr), optax.sgd(settings["diloco_sgd_outer_lr"]), h, axis)
     if name == "streaming_diloco":
         if not background:
             background = dict(overlap_steps=2)
@@ -174,7 +191,8 @@ def make_tx(name: str, settings: dict, steps: int, axis: str = "dp"):
             optax.adam(lr), nesterov, h, axis, compressor=int4, fragments=4, **background
         )
     if name == "sparseloco":
-        kwargs = {"top_k": settings["sparseloco_top_k"], "error_decay": 0.95}
+        kwargs = {"top_k": settings["sparseloco_top_k"]}
+        kwargs["error_decay"] = settings["sparseloco_error_decay"]
         comp = jc.SparseLoCo(**{**kwargs, **settings.get("sparseloco_kwargs", {})})
         outer = optax.sgd(settings["sparseloco_outer_lr"])
         return jc.diloco(optax.adam(lr), outer, h, axis, compressor=comp)
@@ -207,6 +225,42 @@ def _batches(data, seed: int, count: int, n: int):
 def _programs(step) -> int:
     """Programs the step has compiled so far (a compile inside the clock is reported)."""
     return len(step.phased.compiled_phases) if step.phased is not None else 1
+
+
+def _compile_phases(step, state, batch, mesh) -> None:
+    """Runs the program of every phase combination the step's schedule can take once, on a
+    copy of ``state``, so that none compiles inside the clock (0/1 Adam's later kinds of step
+    come after the untimed warm-up). Each phase's values are found by tracing until one is out
+    of its range. Not for a background sync's step, whose programs exchange on a host thread."""
+    import itertools
+
+    import jax
+    import jax.numpy as jnp
+
+    import jaxcomm as jc
+
+    if step.phased is None or step.background is not None:
+        return
+    placed = jc.train.place_batch(batch, mesh=mesh, axis_name="dp")
+    width, done = len(step.phases(state, batch)), set(step.phased.compiled_phases)
+
+    def run(values: tuple[int, ...]) -> bool:
+        if values not in done:
+            try:
+                jax.block_until_ready(step.program(values)(jax.tree.map(jnp.copy, state), placed))
+            except ValueError:  # a value outside its phase's range
+                return False
+            done.add(values)
+        return True
+
+    cases = []
+    for j in range(width):
+        count = 1
+        while run(tuple(count if k == j else 0 for k in range(width))):
+            count += 1
+        cases.append(count)
+    for values in itertools.product(*(range(c) for c in cases)):
+        run(values)
 
 
 def _lo_bytes() -> int:
@@ -277,8 +331,9 @@ def _worker(args: argparse.Namespace) -> None:
             if i % 8 == 7:
                 read(loss)
         read(loss)
-        compile_s = agree(time.perf_counter() - t0)
         del state
+        _compile_phases(step, start, local(batches[0]), mesh)
+        compile_s = agree(time.perf_counter() - t0)
         state = start
         first = read(held_out_loss(evaluated(state)))
         curve = {"step": [0], "seconds": [0.0], "bytes": [0], "loss": [first]}
@@ -455,6 +510,8 @@ def _select(args) -> int:
         "lr": "exact_adam",
         "sparseloco_outer_lr": "sparseloco",
         "sparseloco_top_k": "sparseloco",
+        "sparseloco_error_decay": "sparseloco",
+        "diloco_sgd_outer_lr": "diloco_fp32_sgd",
         "demo_lr": "demo",
     }
     keys = args.grid.split(",") if args.grid else list(grid_methods)
@@ -592,28 +649,91 @@ def _plot(png: str, files: list[str]) -> int:
     return 0
 
 
+def _median_row(rows: list[dict]) -> dict:
+    """One method's row over repeated runs: the median of each figure (a run that did not
+    reach the target counts as the slowest), the speedup's range, and how many runs reached
+    it."""
+    speeds = [r["speedup_to_adam_loss"] or 0.0 for r in rows]
+    times = [r["seconds_to_adam_loss"] for r in rows]
+    out = {
+        k: float(np.median([r[k] for r in rows]))
+        for k, v in rows[0].items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and k not in ("steps",)
+    }
+    out["steps"] = int(np.median([r["steps"] for r in rows]))
+    out["speedup_to_adam_loss"] = float(np.median(speeds)) or None
+    middle = float(np.median([t if t is not None else np.inf for t in times]))
+    out["seconds_to_adam_loss"] = middle if np.isfinite(middle) else None
+    out["speedup_min"], out["speedup_max"] = min(speeds), max(speeds)
+    out["runs_reached"] = sum(t is not None for t in times)
+    return out
+
+
+def _combine(out: str, files: list[str]) -> int:
+    """Repeated runs of one model and link as one result: each method's median row (each
+    run's speedup is against exact Adam in the same run), the runs themselves, and the curves
+    of the run with the median exact-Adam time."""
+    from _two_ranks import provenance
+
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    same = ("rate", "size", "params", "exact_adam_steps", "settings", "target_loss")
+    for key in same:
+        if any(r[key] != runs[0][key] for r in runs):
+            raise SystemExit(f"time_to_loss: --combine needs runs alike in {key!r}")
+    budgets = [r["budget_s"] for r in runs]
+    middle = runs[int(np.argsort(budgets)[len(runs) // 2])]
+    summary = {k: v for k, v in middle.items() if k not in ("rows", "curves", "budget_s")}
+    summary.update(provenance())
+    summary.update(
+        note=f"the median of {len(runs)} runs of `{runs[0]['command'].split(' --json')[0]}`",
+        repeats=len(runs),
+        budget_s=float(np.median(budgets)),
+        rows={m: _median_row([r["rows"][m] for r in runs]) for m in runs[0]["rows"]},
+        curves=middle["curves"],
+        curves_of=middle["date"],
+        runs=runs,
+    )
+    Path(out).write_text(json.dumps(summary, indent=2))
+    print(_markdown([out]))
+    return 0
+
+
 def _markdown(files: list[str]) -> str:
     """The tables of result files, as Markdown."""
     lines = []
     for f in files:
         run = json.loads(Path(f).read_text())
+        n = run.get("repeats", 1)
+        if n > 1:
+            budgets = ", ".join(f"{r['budget_s']:.1f}" for r in run["runs"])
+            where = f"{run['budget_s']:.1f} s, the median of {budgets}"
+            sources = "; ".join(f"{r['date']}, `{r['command']}`" for r in run["runs"])
+        else:
+            where, sources = f"{run['budget_s']:.1f} s", f"{run['date']}, `{run['command']}`"
         lines += [
-            f"**{run['size']} model ({run['params']:,} parameters), {run['rate']}**: target "
-            f"{run['target_loss']:.4f} = exact Adam's held-out loss after "
-            f"{run['exact_adam_steps']} steps ({run['budget_s']:.1f} s); "
-            f"{run['date']}, `{run['command']}`",
+            f"**{run['size']} model ({run['params']:,} parameters), {run['rate']}"
+            f"{f', {n} runs' if n > 1 else ''}**: target {run['target_loss']:.4f} = exact "
+            f"Adam's held-out loss after {run['exact_adam_steps']} steps ({where}); {sources}",
             "",
             "| method | steps | ms/step | s to target | speedup | loss within T | MB/process |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for name, r in run["rows"].items():
             t, x = r["seconds_to_adam_loss"], r["speedup_to_adam_loss"]
+            spread = ""
+            if n > 1 and name != "exact_adam" and r["runs_reached"]:
+                low = f"{r['speedup_min']:.2f}" if r["speedup_min"] else "not reached"
+                spread = f" ({low}-{r['speedup_max']:.2f})"
+                if r["runs_reached"] < n:
+                    spread += f", reached in {r['runs_reached']} of {n}"
             lines.append(
                 f"| {name} | {r['steps']} | {r['step_ms']:.1f} | "
                 f"{f'{t:.1f}' if t is not None else 'not reached'} | "
-                f"{f'{x:.2f}x' if x else '-'} | {r['loss_within_adam_time']:.4f} | "
+                f"{f'{x:.2f}x' if x else '-'}{spread} | {r['loss_within_adam_time']:.4f} | "
                 f"{r['bytes_per_process'] / 1e6:.2f} |"
             )
+        if n > 1:
+            lines += ["", "Medians over the runs; the speedup's range in brackets."]
         lines.append("")
     return "\n".join(lines)
 
@@ -626,6 +746,8 @@ def main(argv=None) -> int:
     if args.markdown:
         print(_markdown(args.markdown))
         return 0
+    if args.combine:
+        return _combine(args.combine[0], args.combine[1:])
     if args.plot:
         return _plot(args.plot[0], args.plot[1:])
     if args.select:

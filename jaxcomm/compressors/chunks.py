@@ -242,15 +242,64 @@ def offset_bytes(plans: Sequence[ChunkPlan]) -> int:
     return -(-sum(p.chunks * index_bits(p) for p in plans if p.kept) // 8)
 
 
+def _offset_spans(plans: Sequence[ChunkPlan]) -> dict[int, tuple[int, int]]:
+    """``{leaf: (first bit, bits)}`` of each plan that keeps values in the packed offsets."""
+    spans, at = {}, 0
+    for i, plan in enumerate(plans):
+        if plan.kept:
+            spans[i] = (at, plan.chunks * index_bits(plan))
+            at += spans[i][1]
+    return spans
+
+
 def unpack_offsets(packed: jax.Array, plans: Sequence[ChunkPlan]) -> list[jax.Array]:
     """Inverse of :func:`offset_bytes`' packing over the last axis (``packed`` may run on):
     the ``(..., chunks, k)`` int32 offsets of each plan that keeps values, in order."""
-    total = sum(p.chunks * index_bits(p) for p in plans if p.kept)
+    spans = _offset_spans(plans)
+    total = sum(width for _, width in spans.values())
     bits = unpack_bits(packed[..., : -(-total // 8)], total)
-    out, at = [], 0
-    for plan in plans:
+    return [decode_offsets(bits[..., a : a + width], plans[i]) for i, (a, width) in spans.items()]
+
+
+def tile_groups(plans: Sequence[ChunkPlan]) -> list[list[int]]:
+    """The plans that keep values grouped by tile and ``k`` (their chunks code and transform
+    alike): lists of indices into ``plans``, in order of first appearance."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, plan in enumerate(plans):
         if plan.kept:
-            width = plan.chunks * index_bits(plan)
-            out.append(decode_offsets(bits[..., at : at + width], plan))
-            at += width
+            groups.setdefault((plan.h, plan.w, plan.k), []).append(i)
+    return list(groups.values())
+
+
+def stacked_plan(plans: Sequence[ChunkPlan]) -> ChunkPlan:
+    """One plan for the chunks of ``plans`` (one :func:`tile_groups` group) stacked in order:
+    an ``h x (w chunks)`` matrix of their tiles side by side."""
+    h, w, k = plans[0].h, plans[0].w, plans[0].k
+    return ChunkPlan(h, w * sum(p.chunks for p in plans), h, w, k)
+
+
+def split_rows(members: Sequence[int], plans: Sequence[ChunkPlan]) -> list[slice]:
+    """The rows of each of ``members`` in their :func:`stacked_plan`'s chunks."""
+    ends = np.cumsum([plans[i].chunks for i in members]).tolist()
+    return [slice(end - plans[i].chunks, end) for i, end in zip(members, ends, strict=True)]
+
+
+def unpack_grouped_offsets(
+    packed: jax.Array, plans: Sequence[ChunkPlan], groups: Sequence[Sequence[int]]
+) -> list[jax.Array]:
+    """:func:`unpack_offsets` decoded group by group (``groups`` from :func:`tile_groups`):
+    each group's ``(..., chunks, k)`` int32 offsets, its members' chunks stacked in order."""
+    spans = _offset_spans(plans)
+    total = sum(width for _, width in spans.values())
+    bits = unpack_bits(packed[..., : -(-total // 8)], total)
+    lead, out = bits.shape[:-1], []
+    for members in groups:
+        per_chunk = [
+            bits[..., a : a + width].reshape(*lead, plans[i].chunks, -1)
+            for i in members
+            for a, width in [spans[i]]
+        ]
+        stacked = jnp.concatenate(per_chunk, axis=-2)
+        plan = stacked_plan([plans[i] for i in members])
+        out.append(decode_offsets(stacked.reshape(*lead, -1), plan))
     return out

@@ -26,8 +26,11 @@ from jaxcomm.compressors.chunks import (
     from_chunks,
     offset_bytes,
     pack_bits,
+    split_rows,
+    stacked_plan,
+    tile_groups,
     to_chunks,
-    unpack_offsets,
+    unpack_grouped_offsets,
     wire_order,
 )
 from jaxcomm.optim._common import (
@@ -219,56 +222,70 @@ def demo(
         mus = treedef.flatten_up_to(state.local.mu)
         plans = [demo_plan(jnp.shape(g), chunk_size, top_k) for g in grads]
 
-        # 2-5: this device's momentum, its kept coefficients, what it keeps.
-        new_mus, offsets, values = [], [], []
-        for g, mu, plan in zip(grads, mus, plans, strict=True):
-            m = beta * mu.reshape(-1) + lr * g.reshape(-1)
-            if plan.kept:
-                coeffs = _dct(to_chunks(m, plan), plan)
-                key = jnp.where(jnp.isfinite(coeffs), jnp.abs(coeffs), jnp.inf)
-                idx = wire_order(lax.top_k(key, plan.k)[1], plan)
-                kept = jnp.take_along_axis(coeffs, idx, axis=-1).astype(wire)
-                rows = jnp.arange(plan.chunks)[:, None]
-                sent = jnp.zeros_like(coeffs).at[rows, idx].set(kept.astype(jnp.float32))
-                m = m - from_chunks(_dct(sent, plan, inverse=True), plan)
-                offsets.append(encode_offsets(idx, plan))
-                values.append(kept.reshape(-1))
-            new_mus.append(m.reshape(mu.shape))
+        # 2-5: this device's momentum, its kept coefficients, what it keeps; leaves with the
+        # same tile go through the DCT, top-k and coding as one stack of chunks.
+        ms = [beta * mu.reshape(-1) + lr * g.reshape(-1) for g, mu in zip(grads, mus, strict=True)]
+        groups = tile_groups(plans)
+        leaf_bits, leaf_values, leaf_sent = {}, {}, {}
+        for members in groups:
+            plan = stacked_plan([plans[i] for i in members])
+            coeffs = _dct(jnp.concatenate([to_chunks(ms[i], plans[i]) for i in members]), plan)
+            key = jnp.where(jnp.isfinite(coeffs), jnp.abs(coeffs), jnp.inf)
+            idx = wire_order(lax.top_k(key, plan.k)[1], plan)
+            kept = jnp.take_along_axis(coeffs, idx, axis=-1).astype(wire)
+            rows = jnp.arange(plan.chunks)[:, None]
+            sent = jnp.zeros_like(coeffs).at[rows, idx].set(kept.astype(jnp.float32))
+            sent = _dct(sent, plan, inverse=True)
+            bits = encode_offsets(idx, plan).reshape(plan.chunks, -1)
+            for i, rows_i in zip(members, split_rows(members, plans), strict=True):
+                leaf_bits[i], leaf_values[i] = bits[rows_i], kept[rows_i].reshape(-1)
+                leaf_sent[i] = sent[rows_i]
+        new_mus = [
+            (m - from_chunks(leaf_sent[i], plans[i]) if i in leaf_sent else m).reshape(mu.shape)
+            for i, (m, mu) in enumerate(zip(ms, mus, strict=True))
+        ]
 
-        # 6: one all-gather of [offset bits | values] (uint8).
+        # 6: one all-gather of [offset bits | values] (uint8), leaf by leaf.
         total = sum(p.kept for p in plans)
         n = 1
         if total:
+            order = sorted(leaf_bits)
             packed = jnp.concatenate(
                 [
-                    pack_bits(jnp.concatenate(offsets)),
-                    lax.bitcast_convert_type(jnp.concatenate(values), jnp.uint8).reshape(-1),
+                    pack_bits(jnp.concatenate([leaf_bits[i].reshape(-1) for i in order])),
+                    lax.bitcast_convert_type(
+                        jnp.concatenate([leaf_values[i] for i in order]), jnp.uint8
+                    ).reshape(-1),
                 ]
             )
             parts = all_gather_replicated(ensure_varying(packed, axis_name), axis_name)
             n = parts.shape[0]
-            all_offsets = iter(unpack_offsets(parts, plans))
             raw = parts[:, offset_bytes(plans) :].reshape(n, total, wire.itemsize)
             all_values = lax.bitcast_convert_type(raw, wire).astype(jnp.float32)
             ok = jnp.isfinite(jnp.sum(all_values))
         else:
             ok = jnp.ones([], jnp.bool_)
 
-        # 7: scatter-mean over contributors in DCT space, inverse DCT, sign.
-        directions, at = [], 0
-        for g, plan in zip(grads, plans, strict=True):
-            if not plan.kept:
-                directions.append(jnp.zeros_like(g))
-                continue
-            off = next(all_offsets)
-            val = all_values[:, at : at + plan.kept].reshape(-1)
-            at += plan.kept
-            flat = (jnp.arange(plan.chunks)[:, None] * plan.length + off).reshape(-1)
-            sums = jnp.zeros((plan.chunks * plan.length,), jnp.float32).at[flat].add(val)
-            count = jnp.zeros((plan.chunks * plan.length,), jnp.float32).at[flat].add(1.0)
-            mean = (sums / jnp.maximum(count, 1.0)).reshape(plan.chunks, plan.length)
-            u = from_chunks(_dct(mean, plan, inverse=True), plan)
-            directions.append(jnp.sign(u).reshape(g.shape))
+        # 7: scatter-mean over contributors in DCT space, inverse DCT, sign (by tile group).
+        directions = [jnp.zeros_like(g) for g in grads]
+        if total:
+            group_offsets = unpack_grouped_offsets(parts, plans, groups)
+            starts = np.cumsum([0] + [p.kept for p in plans])
+            for members, off in zip(groups, group_offsets, strict=True):
+                plan = stacked_plan([plans[i] for i in members])
+                val = jnp.concatenate(
+                    [all_values[:, starts[i] : starts[i + 1]] for i in members], axis=1
+                ).reshape(-1)
+                flat = (jnp.arange(plan.chunks)[:, None] * plan.length + off).reshape(-1)
+                size = plan.chunks * plan.length
+                sums = jnp.zeros((size,), jnp.float32).at[flat].add(val)
+                count = jnp.zeros((size,), jnp.float32).at[flat].add(1.0)
+                mean = (sums / jnp.maximum(count, 1.0)).reshape(plan.chunks, plan.length)
+                u = _dct(mean, plan, inverse=True)
+                for i, rows_i in zip(members, split_rows(members, plans), strict=True):
+                    directions[i] = jnp.sign(from_chunks(u[rows_i], plans[i])).reshape(
+                        grads[i].shape
+                    )
 
         out = [lr * d for d in directions]
         if params is not None and not is_static_zero(weight_decay):

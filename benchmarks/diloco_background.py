@@ -150,21 +150,33 @@ def _worker(args: argparse.Namespace) -> None:
         jax.block_until_ready(runs[name](2 * H))  # every phase compiled, at a cycle boundary
         compile_s[name] = time.perf_counter() - t0
     times = {name: [] for name in names}
+    cpu = {name: [] for name in names}  # this process's CPU seconds (all threads) per cycle
+    threads: dict = {name: [] for name in names}  # the same by thread
     links = runs["background"].background._links if "background" in runs else None
     sent = links.sent_bytes if links else 0
     for _ in range(args.repeats):
         for name in names:
             barrier(token).block_until_ready()
-            t0 = time.perf_counter()
+            sync_thread = _sync_thread(runs.get("background"))
+            t0, c0, th0 = time.perf_counter(), time.process_time(), _thread_cpu(sync_thread)
             jax.block_until_ready(runs[name](H))
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+            th1 = _thread_cpu(sync_thread)
+            threads[name].append({k: th1[k] - th0[k] for k in th0})
     sent = (links.sent_bytes - sent) / args.repeats if links else None
-    trace = _trace(runs["background"], H) if args.trace and "background" in runs else None
+    trace = None
+    if args.trace and "background" in runs:
+        trace = _trace(runs["background"], H)
+        if "floor" in runs:
+            trace["floor_steps"] = _steps(runs["floor"], H, time.perf_counter())
     Path(args.worker, f"rank{rank}.json").write_text(
         json.dumps(
             {
                 "rank": rank,
                 "times": times,
+                "cpu": cpu,
+                "thread_cpu": threads,
                 "compile_s": compile_s,
                 "tau": tau,
                 "sent_bytes_per_cycle": sent,
@@ -175,50 +187,103 @@ def _worker(args: argparse.Namespace) -> None:
     jax.distributed.shutdown()
 
 
+def _thread_cpu(sync_thread: int | None) -> dict[str, float]:
+    """This process's CPU seconds so far by thread: the main thread, the background sync's
+    thread, XLA's intra-op pool and the rest (the runtime's execution threads, gloo)."""
+    import threading
+
+    main = threading.main_thread().native_id
+    out = {"main": 0.0, "sync": 0.0, "xla_pool": 0.0, "other": 0.0}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            ns = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        group = (
+            "main"
+            if int(tid) == main
+            else "sync"
+            if int(tid) == sync_thread
+            else "xla_pool"
+            if "Eigen" in name
+            else "other"
+        )
+        out[group] += ns / 1e9
+    return out
+
+
+def _sync_thread(run) -> int | None:
+    """The native id of the background sync's thread, once it has started."""
+    thread = getattr(getattr(run, "background", None), "_runner", None)
+    thread = getattr(thread, "_thread", None)
+    return None if thread is None else thread.native_id
+
+
+def _steps(run, H: int, t0: float) -> list:
+    """``H`` steps, each waited for: ``(start, seconds)`` from ``t0``."""
+    import jax
+
+    steps = []
+    for _ in range(H):
+        start = time.perf_counter()
+        jax.block_until_ready(run(1))
+        steps.append((start - t0, time.perf_counter() - start))
+    return steps
+
+
 def _trace(run, H: int) -> dict:
     """One more background cycle, each step waited for, with the host thread's stages timed
-    (diagnostics: which step waits, how long each exchange takes)."""
+    (diagnostics: which step waits, how long each exchange takes). Each stage is
+    ``(name, start, wall seconds, the calling thread's CPU seconds)``; device programs are
+    waited for where they are called (their CPU is on XLA's threads, not the caller's).
+    ``cpu_s``: the process's CPU seconds (all threads) over the cycle."""
     import jax
 
     from jaxcomm.optim import diloco_background as bg
+    from jaxcomm.optim import diloco_exchange as ex
 
     stages, t0 = [], time.perf_counter()
 
-    def timed(name, fn):
+    def timed(name, fn, block=False):
         def wrapper(*args, **kw):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             out = fn(*args, **kw)
-            stages.append((name, start - t0, time.perf_counter() - start))
+            if block:
+                out = jax.block_until_ready(out)
+            stages.append((name, start - t0, time.perf_counter() - start, time.thread_time() - cpu))
             return out
 
         return wrapper
 
-    def timed_program(name, fn):
-        def wrapper(*args):
-            start = time.perf_counter()
-            out = jax.block_until_ready(fn(*args))
-            stages.append((name, start - t0, time.perf_counter() - start))
-            return out
-
-        return wrapper
-
-    for programs in run.background._programs.values():
+    sync = run.background
+    for programs in sync._programs.values():
         for name in ("worker", "server", "finish"):
-            setattr(programs, name, timed_program(name, getattr(programs, name)))
-    originals = bg.all_to_all, bg.all_gather
-    bg.all_to_all, bg.all_gather = (
-        timed("all_to_all", originals[0]),
-        timed("all_gather", originals[1]),
-    )
-    steps = []
+            setattr(programs, name, timed(name, getattr(programs, name), block=True))
+    # Instance attributes shadow the methods; module attributes are restored below.
+    sync._exchange_once = timed("thread_total", sync._exchange_once)
+    sync._links.swap = timed("socket", sync._links.swap)
+    patched = {
+        (bg, "all_to_all"): "all_to_all",
+        (bg, "all_gather"): "all_gather",
+        (ex, "_pack"): "pack",
+        (ex, "_unpack"): "unpack",
+    }
+    for name in ("_rows", "_host_rows"):
+        if hasattr(sync, name):
+            setattr(sync, name, timed("device_get", getattr(sync, name)))
+    originals = {key: getattr(*key) for key in patched if hasattr(*key)}
+    for (module, attr), name in patched.items():
+        if (module, attr) in originals:
+            setattr(module, attr, timed(name, originals[module, attr]))
     try:
-        for _ in range(H):
-            start = time.perf_counter()
-            jax.block_until_ready(run(1))
-            steps.append((start - t0, time.perf_counter() - start))
+        cpu = time.process_time()
+        steps = _steps(run, H, t0)
+        cpu = time.process_time() - cpu
     finally:
-        bg.all_to_all, bg.all_gather = originals
-    return {"steps": steps, "stages": stages}
+        for (module, attr), fn in originals.items():
+            setattr(module, attr, fn)
+    return {"steps": steps, "stages": stages, "cpu_s": cpu}
 
 
 def _bytes_per_second(rate: str) -> float:
@@ -245,6 +310,26 @@ def _wire(ranks: list[dict], args, shaped: bool, cycle: dict) -> dict | None:
     return wire
 
 
+def _cpu(ranks: list[dict]) -> dict:
+    """Each row's median CPU seconds per cycle (all threads of the process), per rank."""
+    import statistics
+
+    return {k: [statistics.median(r["cpu"][k]) for r in ranks] for k in ranks[0]["cpu"]}
+
+
+def _thread_medians(ranks: list[dict]) -> dict:
+    """Each row's median CPU seconds per cycle by thread group, per rank."""
+    import statistics
+
+    return {
+        k: [
+            {g: statistics.median(c[g] for c in r["thread_cpu"][k]) for g in r["thread_cpu"][k][0]}
+            for r in ranks
+        ]
+        for k in ranks[0]["thread_cpu"]
+    }
+
+
 def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
     from _two_ranks import provenance, slower_rank_medians
 
@@ -263,6 +348,8 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
         "repeats": args.repeats,
         "cycle_s": cycle,
         "compile_s": {k: max(r["compile_s"][k] for r in ranks) for k in cycle},
+        **({"cpu_s_per_cycle": _cpu(ranks)} if "cpu" in ranks[0] else {}),
+        **({"thread_cpu_s_per_cycle": _thread_medians(ranks)} if "thread_cpu" in ranks[0] else {}),
         "ratios": ratios,
         **({"background_wire": wire} if wire else {}),
         **({"trace": [r["trace"] for r in ranks]} if ranks[0].get("trace") else {}),
@@ -274,11 +361,14 @@ def _table(summary: dict) -> str:
         f"DiLoCo cycle, 2 processes, {summary['rate']}, H={summary['H']}, "
         f"F={summary['fragments']}, tau={summary['overlap_steps']}, "
         f"{summary['outer_gradient']}, median of {summary['repeats']}, slower rank",
-        f"{'row':<12} {'cycle s':>9} {'x floor':>8}",
+        f"{'row':<12} {'cycle s':>9} {'x floor':>8} {'CPU s/rank':>11}",
     ]
+    cpu = summary.get("cpu_s_per_cycle", {})
     for name, s in summary["cycle_s"].items():
         ratio = summary["ratios"].get(f"{name}_over_floor", float("nan"))
-        lines.append(f"{name:<12} {s:9.3f} {ratio:8.3f}")
+        per_rank = cpu.get(name)
+        cpu_s = sum(per_rank) / len(per_rank) if per_rank else float("nan")
+        lines.append(f"{name:<12} {s:9.3f} {ratio:8.3f} {cpu_s:11.3f}")
     wire = summary.get("background_wire") or {}
     if "link_s_per_cycle" in wire:
         lines.append(

@@ -40,12 +40,12 @@ import weakref
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.compressors import Compressor
+from jaxcomm.comm.state import ReduceState
+from jaxcomm.compressors import Compressor, TwoStageState
 from jaxcomm.optim import diloco_stages as stages
 from jaxcomm.optim.diloco_exchange import (
     HostLinks,
@@ -189,16 +189,16 @@ class _Fragment:
 
         def worker(pending, comm):
             wires, residuals = stages.worker(comp, p, local(pending), local(comm), n)
-            return block(wires), block(residuals), block(jax.tree.map(jnp.copy, local(comm)))
+            return block(wires), block(residuals), block(stages.kept(p, local(comm)))
 
-        def server(received, comm):
-            return block(stages.server(comp, p, local(received), local(comm), n))
+        def server(received, kept):
+            return block(stages.server(comp, p, local(received), local(kept), n))
 
-        def finish(gathered, workers, servers, comm):
-            mean, new = stages.finish(
-                comp, p, gathered, local(workers), local(servers), local(comm), n
+        def finish(gathered, workers, servers, kept):
+            mean, flags = stages.finish(
+                comp, p, gathered, local(workers), local(servers), local(kept), n
             )
-            return mean, block(new)
+            return mean, block(flags)
 
         def program(fn, in_specs, out_specs):
             mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
@@ -207,6 +207,17 @@ class _Fragment:
         self.worker = program(worker, (per, per), (per, per, per))
         self.server = program(server, (per, per), (per, per))
         self.finish = program(finish, (rep, per, per, per), (rep, per))
+
+
+def take_rows(new: jax.Array, old: jax.Array, positions: set[int]) -> jax.Array:
+    """``new`` with the rows (data-axis positions, axis 0) in ``positions`` taken from ``old``:
+    whole shards (``new`` and ``old`` sharded alike), so nothing is copied."""
+    olds = {s.device: s.data for s in old.addressable_shards}
+    shards = [
+        olds[s.device] if (s.index[0].start or 0) in positions else s.data
+        for s in new.addressable_shards
+    ]
+    return jax.make_array_from_single_device_arrays(new.shape, new.sharding, shards)
 
 
 class BackgroundSync:
@@ -279,8 +290,8 @@ class BackgroundSync:
             self._programs[f] = _Fragment(self.spec, self.mesh, shapes, self.n)
         programs = self._programs[f]
         # Dispatched now, before the next step can donate the state it reads.
-        wires, workers, comm = programs.worker(pending, comm)
-        future = self._runner.submit(self._exchange, programs, wires, workers, comm)
+        wires, workers, kept = programs.worker(pending, comm)
+        future = self._runner.submit(self._exchange, programs, wires, workers, kept)
         self._inflight[f] = (t_i, future)
 
     def _rows(self, arrays) -> dict[int, list[np.ndarray]]:
@@ -294,14 +305,14 @@ class BackgroundSync:
                     rows.setdefault(pos, []).append(np.asarray(shard.data)[0])
         return rows
 
-    def _exchange(self, programs: _Fragment, wires, workers, comm):
+    def _exchange(self, programs: _Fragment, wires, workers, kept):
         try:
-            return self._exchange_once(programs, wires, workers, comm)
+            return self._exchange_once(programs, wires, workers, kept)
         except SyncError:
             self._fail()  # the peers' exchanges fail now, not at their sync_timeout
             raise
 
-    def _exchange_once(self, programs: _Fragment, wires, workers, comm):
+    def _exchange_once(self, programs: _Fragment, wires, workers, kept):
         flat, treedef = jax.tree.flatten(wires)
         received = all_to_all(self._links, self._rows(flat), self.owner, self.me)
 
@@ -311,7 +322,7 @@ class BackgroundSync:
             )
 
         received = jax.tree.unflatten(treedef, [per_position(i, x) for i, x in enumerate(flat)])
-        wires, servers = programs.server(received, comm)
+        wires, servers = programs.server(received, kept)
         flat, treedef = jax.tree.flatten(wires)
         gathered = all_gather(self._links, self._rows(flat), self.owner, self.me)
         gathered = [
@@ -319,12 +330,17 @@ class BackgroundSync:
             for g in gathered
         ]
         gathered = jax.tree.unflatten(treedef, gathered)
-        return programs.finish(gathered, workers, servers, comm)
+        mean, flags = programs.finish(gathered, workers, servers, kept)
+        if not flags:
+            return mean, None
+        bad, count = flags
+        keep_old = {pos for pos, (flag,) in self._rows([bad]).items() if flag}
+        return mean, (workers, servers, count, keep_old)
 
     def _merge(self, state, f: int, t_i: int, future):
         timeout = self.spec.sync_timeout
         try:
-            mean, comm = future.result(timeout=timeout)
+            mean, result = future.result(timeout=timeout)
         except (concurrent.futures.TimeoutError, SyncError) as err:
             self._fail()
             if isinstance(err, SyncError):
@@ -339,9 +355,19 @@ class BackgroundSync:
             ) from err
         diloco = _find(state.opt_state)
         inflight, comms = list(diloco.inflight), list(diloco.comm)
-        inflight[f], comms[f] = list(mean), comm
+        inflight[f] = list(mean)
+        if result is not None:
+            comms[f] = self._guarded(comms[f], *result)
         opt_state = _replace_diloco(state.opt_state, inflight=tuple(inflight), comm=tuple(comms))
         return state._replace(opt_state=opt_state)
+
+    def _guarded(self, old: ReduceState, workers, servers, count, keep_old) -> ReduceState:
+        """The non-finite guard's new state: the new residuals, but the old ones (still in the
+        state: the steps in flight pass them through) on the positions in ``keep_old``."""
+        buckets = tuple(TwoStageState(w, s) for w, s in zip(workers, servers, strict=True))
+        if keep_old:
+            buckets = jax.tree.map(lambda a, b: take_rows(a, b, keep_old), buckets, old.buckets)
+        return ReduceState(buckets, count)
 
     def _fail(self) -> None:
         """A sync failed: tell the peers (closed connections) and bound this process's exit."""

@@ -9,9 +9,14 @@ the two collectives lifted out to the host (:mod:`jaxcomm.optim.diloco_exchange`
   residual, encodes (the wire to all_to_all) and keeps the new residual;
 * ``server``: each device reduces the rows it received to its chunk of the mean in fp32, adds
   its server residual and re-encodes (the wire to all_gather);
-* ``finish``: every device decodes the gathered chunks into the mean; the non-finite guard of
-  :mod:`jaxcomm.comm.reduce` keeps the old residuals where the mean or a residual is not
-  finite, and counts it.
+* ``finish``: every device decodes the gathered chunks into the mean and runs the check of the
+  non-finite guard of :mod:`jaxcomm.comm.reduce` (is the mean or a new residual not finite?)
+  and its count; the host then keeps, on each device whose check failed, the old residuals:
+  the same state as the guard's select, without a pass over them.
+
+Only what the later stages read of the old state is copied at the worker stage (the server
+residuals and the count: the next step donates the state); the old worker residuals stay in
+the state, where the guard finds them when the sync is merged.
 
 The exact mean (``compressor=None``) takes the same path with an fp32 "codec" that sends the
 values themselves: a reduce-scatter and an all-gather whose chunk sums are taken in device
@@ -27,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxcomm.comm.buckets import Bucket, ceil_div, flatten_bucket, unflatten_bucket
 from jaxcomm.comm.state import ReduceState, plan_tree
-from jaxcomm.compressors import Compressor, NoCompression, TwoStageState, keep_if
+from jaxcomm.compressors import Compressor, NoCompression
 from jaxcomm.compressors._two_stage import ReduceInFp32
 
 PyTree = Any
@@ -101,41 +106,45 @@ def worker(compressor, p: Plan, leaves, comm: ReduceState, n: int):
     return wires, residuals
 
 
-def server(compressor, p: Plan, received, comm: ReduceState, n: int):
-    """Stage 2 on one device: ``(wires to gather, server residuals)``."""
+def kept(p: Plan, comm: ReduceState):
+    """Copies of what the server and finish stages read of the old state: each bucket's server
+    residual and the non-finite count (``()`` without error feedback)."""
+    if not p.guarded:
+        return ()
+    return [jnp.copy(b.server_error) for b in comm.buckets], jnp.copy(comm.nonfinite)
+
+
+def server(compressor, p: Plan, received, kept, n: int):
+    """Stage 2 on one device: ``(wires to gather, server residuals)``; ``kept``: from
+    :func:`kept`."""
     wires, residuals = [], []
     for k, (blocks, length) in enumerate(p.layouts):
         chunk = _reduce(compressor, received[k], n)
         if p.guarded:
-            chunk = chunk + comm.buckets[k].server_error.reshape(blocks, length)
+            chunk = chunk + kept[0][k].reshape(blocks, length)
         wire, recon = _encode(compressor, chunk, 1)
         wires.append(tuple(wire))
         residuals.append((chunk - recon).reshape(-1) if p.guarded else None)
     return wires, residuals
 
 
-def finish(compressor, p: Plan, gathered, workers, servers, comm: ReduceState, n: int):
-    """Stage 3 on every device: ``(the mean's leaves in fragment order, the new state)``."""
+def finish(compressor, p: Plan, gathered, workers, servers, kept, n: int):
+    """Stage 3 on every device: ``(the mean's leaves in fragment order, flags)``; ``flags``:
+    ``()`` without error feedback, else ``(bad, count)``: whether the mean or a new residual
+    is not finite (the guard keeps the old residuals) and the non-finite count after it."""
     num_leaves = sum(len(b.leaf_ids) for b in p.buckets)
     out: list = [None] * num_leaves
-    states: list[tuple[TwoStageState, Any]] = []
     bad = jnp.bool_(False)
     for k, bucket in enumerate(p.buckets):
         mean = _decode(compressor, gathered[k]).reshape(-1)[: bucket.numel]
         if isinstance(compressor, NoCompression):
             mean = mean / n
         if p.guarded:
-            old = comm.buckets[k]
-            new = TwoStageState(workers[k], servers[k])
-            finite = jnp.bool_(True)
-            for x in (mean, new.worker_error, new.server_error):
-                finite = finite & jnp.all(jnp.isfinite(x))
-            states.append((new, old))
-            bad = bad | ~finite
+            for x in (mean, workers[k], servers[k]):
+                bad = bad | ~jnp.all(jnp.isfinite(x))
         for i, leaf in zip(bucket.leaf_ids, unflatten_bucket(mean, bucket), strict=True):
             out[i] = leaf
     if not p.guarded:
-        return out, comm
+        return out, ()
     # Any bucket not finite skips the whole sync: every bucket keeps its error feedback.
-    states = [keep_if(~bad, new, old) for new, old in states]
-    return out, ReduceState(tuple(states), comm.nonfinite + bad.astype(jnp.int32))
+    return out, (bad, kept[1] + bad.astype(jnp.int32))

@@ -201,3 +201,44 @@ def test_resize_with_a_sync_in_flight_continues_as_the_single_program(mesh):
     # against the 8-device reduction): a few roundings, carried through 5 steps.
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=32 * np.finfo(np.float32).eps)
+
+
+def test_a_nonfinite_sync_keeps_the_error_feedback_as_the_single_program(mesh):
+    """Device 3's worker residual made infinite before the sync after step 6 (issued in step 7,
+    merged in step 9): the mean is not finite, so every device keeps its old residuals and
+    counts the skip, and the background run stays the single program's, bit for bit."""
+    batches = make_batches(12)
+
+    def run(background):
+        tx = _tx(background, jc.Quantize(bits=4, error_feedback=True), 6, 1, 3)
+        step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
+        for t, batch in enumerate(batches, start=1):
+            if t == 7:
+                comm = state.opt_state.comm[0]
+                bucket = comm.buckets[0]
+                bucket = bucket._replace(worker_error=bucket.worker_error.at[3, 0].set(np.inf))
+                comms = (comm._replace(buckets=(bucket, *comm.buckets[1:])),)
+                state = state._replace(opt_state=state.opt_state._replace(comm=comms))
+            state, _ = step(state, batch)
+        return state
+
+    want, got = run(False), run(True)
+    counts = np.asarray(got.opt_state.comm[0].nonfinite)
+    np.testing.assert_array_equal(counts, np.full((8, 1), 1))  # the sync after step 6
+    assert np.isinf(np.asarray(got.opt_state.comm[0].buckets[0].worker_error)[3, 0])
+    for a, b in zip(_without_pending(got), _without_pending(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_take_rows_swaps_whole_rows(mesh):
+    """The guard's per-device choice: rows of ``old`` at the given positions, ``new`` elsewhere
+    (against NumPy's row selection)."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp"))
+    new = np.arange(8 * 5, dtype=np.float32).reshape(8, 5)
+    old = -new - 1
+    got = diloco_background.take_rows(
+        jax.device_put(new, sharding), jax.device_put(old, sharding), {1, 6}
+    )
+    want = np.where(np.isin(np.arange(8), [1, 6])[:, None], old, new)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert got.sharding == sharding

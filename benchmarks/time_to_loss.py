@@ -658,7 +658,9 @@ def _median_row(rows: list[dict]) -> dict:
     out = {
         k: float(np.median([r[k] for r in rows]))
         for k, v in rows[0].items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and k not in ("steps",)
+        if isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and k not in ("steps", "seconds_to_adam_loss", "speedup_to_adam_loss")
     }
     out["steps"] = int(np.median([r["steps"] for r in rows]))
     out["speedup_to_adam_loss"] = float(np.median(speeds)) or None

@@ -12,7 +12,11 @@ from jaxcomm.compressors.chunks import (
     encode_offsets,
     index_bits,
     pack_bits,
+    split_rows,
+    stacked_plan,
+    tile_groups,
     unpack_bits,
+    unpack_grouped_offsets,
     wire_order,
 )
 from tests.reference.offsets_reference import offset_bits, offset_stream, value_order
@@ -52,3 +56,34 @@ def test_offsets_code_matches_the_numpy_model_and_round_trips(h, w, k, per_chunk
     np.testing.assert_array_equal(got, np.stack([ordered] * 2))
     # The same kept elements, whichever order they travel in.
     np.testing.assert_array_equal(np.sort(got[0], axis=1), np.sort(idx, axis=1))
+
+
+def test_grouped_decode_gives_each_tile_groups_offsets_stacked_in_leaf_order():
+    # Leaves as DeMo sees them: two tile groups interleaved, a fields-coded one, an empty one.
+    plans = [
+        ChunkPlan(rows=128, cols=64, h=64, w=64, k=32),
+        ChunkPlan(rows=1, cols=128, h=1, w=64, k=32),
+        ChunkPlan(rows=0, cols=0, h=1, w=1, k=0),
+        ChunkPlan(rows=64, cols=192, h=64, w=64, k=32),
+        ChunkPlan(rows=1, cols=192, h=1, w=64, k=32),
+        ChunkPlan(rows=1, cols=128, h=1, w=64, k=4),
+    ]
+    assert tile_groups(plans) == [[0, 3], [1, 4], [5]]
+    rng = np.random.default_rng(7)
+    idx = {}
+    for i, plan in enumerate(plans):
+        if plan.kept:
+            raw = np.stack(
+                [rng.choice(plan.length, plan.k, replace=False) for _ in range(plan.chunks)]
+            )
+            idx[i] = value_order(raw, plan.length)
+    bits = jnp.concatenate([encode_offsets(jnp.asarray(idx[i], jnp.int32), plans[i]) for i in idx])
+    packed = jnp.stack([pack_bits(bits)] * 2)  # two devices' messages
+    for members, got in zip(
+        tile_groups(plans), unpack_grouped_offsets(packed, plans, tile_groups(plans)), strict=True
+    ):
+        want = np.concatenate([idx[i] for i in members])
+        assert stacked_plan([plans[i] for i in members]).chunks == len(want)
+        np.testing.assert_array_equal(np.asarray(got), np.stack([want] * 2))
+        for i, rows in zip(members, split_rows(members, plans), strict=True):
+            np.testing.assert_array_equal(np.asarray(got[0, rows]), idx[i])

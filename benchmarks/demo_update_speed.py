@@ -15,8 +15,9 @@ device). The timed rounds alternate base and new (order reversed every other rou
 times ``--inner`` steps; medians over ``--repeats`` rounds and the ratio new / base.
 
 ``--check`` first runs both versions ``CHECK_STEPS`` steps from the same state on the same
-batches (fp32 and bf16 parameters, fp32 and bf16 wire values, weight decay) and fails unless
-every update, parameter and state array is bit-identical.
+batches (the large shapes and a 1024 x 512 leaf; fp32 and bf16 parameters, fp32 and bf16 wire
+values, weight decay) and fails unless every update, parameter and state array is
+bit-identical.
 
 Usage::
 
@@ -101,6 +102,7 @@ def _check(libs, n: int) -> list[str]:
     for dtype in (jnp.float32, jnp.bfloat16):
         for wire in (jnp.float32, jnp.bfloat16):
             params, loss_fn, _ = _model("large", "update", n)
+            params["big"] = np.zeros((1024, 512), np.float32)  # 128 tiles: a leaf alone
             params = jax.tree.map(lambda a, dtype=dtype: jnp.asarray(a, dtype), params)
             results = []
             for lib in libs:

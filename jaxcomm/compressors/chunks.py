@@ -261,13 +261,15 @@ def unpack_offsets(packed: jax.Array, plans: Sequence[ChunkPlan]) -> list[jax.Ar
     return [decode_offsets(bits[..., a : a + width], plans[i]) for i, (a, width) in spans.items()]
 
 
-def tile_groups(plans: Sequence[ChunkPlan]) -> list[list[int]]:
+def tile_groups(plans: Sequence[ChunkPlan], alone_from: int | None = None) -> list[list[int]]:
     """The plans that keep values grouped by tile and ``k`` (their chunks code and transform
-    alike): lists of indices into ``plans``, in order of first appearance."""
-    groups: dict[tuple[int, int, int], list[int]] = {}
+    alike): lists of indices into ``plans``, in order of first appearance; a plan of at least
+    ``alone_from`` chunks is a group by itself (stacking it would only copy it)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
     for i, plan in enumerate(plans):
         if plan.kept:
-            groups.setdefault((plan.h, plan.w, plan.k), []).append(i)
+            alone = alone_from is not None and plan.chunks >= alone_from
+            groups.setdefault((i,) if alone else (plan.h, plan.w, plan.k), []).append(i)
     return list(groups.values())
 
 

@@ -46,6 +46,9 @@ from jaxcomm.optim._common import (
 from jaxcomm.optim._skip import count_skips
 
 _HIGHEST = lax.Precision.HIGHEST  # the DCT in true fp32 (no TF32 / bf16 passes on accelerators)
+# Leaves of fewer chunks are stacked with their tile's others (fewer, larger ops); larger
+# ones go alone, where stacking would only add a copy of them.
+_ALONE_FROM = 64
 
 
 @per_device
@@ -225,7 +228,7 @@ def demo(
         # 2-5: this device's momentum, its kept coefficients, what it keeps; leaves with the
         # same tile go through the DCT, top-k and coding as one stack of chunks.
         ms = [beta * mu.reshape(-1) + lr * g.reshape(-1) for g, mu in zip(grads, mus, strict=True)]
-        groups = tile_groups(plans)
+        groups = tile_groups(plans, alone_from=_ALONE_FROM)
         leaf_bits, leaf_values, leaf_sent = {}, {}, {}
         for members in groups:
             plan = stacked_plan([plans[i] for i in members])

@@ -69,6 +69,7 @@ def test_grouped_decode_gives_each_tile_groups_offsets_stacked_in_leaf_order():
         ChunkPlan(rows=1, cols=128, h=1, w=64, k=4),
     ]
     assert tile_groups(plans) == [[0, 3], [1, 4], [5]]
+    assert tile_groups(plans, alone_from=3) == [[0], [1], [3], [4], [5]]
     rng = np.random.default_rng(7)
     idx = {}
     for i, plan in enumerate(plans):
@@ -79,11 +80,10 @@ def test_grouped_decode_gives_each_tile_groups_offsets_stacked_in_leaf_order():
             idx[i] = value_order(raw, plan.length)
     bits = jnp.concatenate([encode_offsets(jnp.asarray(idx[i], jnp.int32), plans[i]) for i in idx])
     packed = jnp.stack([pack_bits(bits)] * 2)  # two devices' messages
-    for members, got in zip(
-        tile_groups(plans), unpack_grouped_offsets(packed, plans, tile_groups(plans)), strict=True
-    ):
-        want = np.concatenate([idx[i] for i in members])
-        assert stacked_plan([plans[i] for i in members]).chunks == len(want)
-        np.testing.assert_array_equal(np.asarray(got), np.stack([want] * 2))
-        for i, rows in zip(members, split_rows(members, plans), strict=True):
-            np.testing.assert_array_equal(np.asarray(got[0, rows]), idx[i])
+    for groups in (tile_groups(plans), tile_groups(plans, alone_from=3)):
+        for members, got in zip(groups, unpack_grouped_offsets(packed, plans, groups), strict=True):
+            want = np.concatenate([idx[i] for i in members])
+            assert stacked_plan([plans[i] for i in members]).chunks == len(want)
+            np.testing.assert_array_equal(np.asarray(got), np.stack([want] * 2))
+            for i, rows in zip(members, split_rows(members, plans), strict=True):
+                np.testing.assert_array_equal(np.asarray(got[0, rows]), idx[i])

@@ -20,18 +20,20 @@ def two_rank_parser(
     *,
     methods: Sequence[str] = (),
     rate: str = "1gbit",
-    repeats: int = 5,
+    repeats: int | None = 5,
     repeats_help: str = "timed rounds per method",
     timeout: float = 900.0,
 ) -> argparse.ArgumentParser:
-    """A parser with the options every two-process benchmark takes: ``--rate``, ``--repeats``,
-    ``--no-shape``, ``--json``, ``--timeout``, the hidden ``--worker`` and, with ``methods``,
-    ``--methods`` (comma-separated, all by default). Add the benchmark's own options to it."""
+    """A parser with the options every two-process benchmark takes: ``--rate``, ``--repeats``
+    (unless ``repeats`` is ``None``), ``--no-shape``, ``--json``, ``--timeout``, the hidden
+    ``--worker`` and, with ``methods``, ``--methods`` (comma-separated, all by default). Add the
+    benchmark's own options to it."""
     p = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawTextHelpFormatter
     )
     p.add_argument("--rate", default=rate, help=f"tc rate of the shaped loopback ({rate})")
-    p.add_argument("--repeats", type=int, default=repeats, help=f"{repeats_help} ({repeats})")
+    if repeats is not None:
+        p.add_argument("--repeats", type=int, default=repeats, help=f"{repeats_help} ({repeats})")
     p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
     if methods:
         p.add_argument(

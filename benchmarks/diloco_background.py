@@ -31,7 +31,6 @@ Usage (root for ``unshare``/``tc``)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -45,24 +44,26 @@ WIDTH, LAYERS, BATCH = 2048, 4, 16
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rate", default="100mbit", help="tc rate of the shaped loopback (100mbit)")
+    from _two_ranks import two_rank_parser
+
+    p = two_rank_parser(
+        __doc__.split("\n")[0],
+        methods=METHODS,
+        rate="100mbit",
+        repeats=3,
+        repeats_help="timed cycles per row",
+        timeout=1200.0,
+    )
     p.add_argument("--H", type=int, default=16, help="sync_every (16)")
     p.add_argument("--F", type=int, default=1, help="fragments (1)")
     p.add_argument("--tau", type=int, default=None, help="overlap_steps (H // F - 1)")
     p.add_argument("--bits", default="4", help="outer gradient: 4, 8 (jc.Quantize + EF), exact")
-    p.add_argument("--repeats", type=int, default=3, help="timed cycles per row (3)")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
-    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
-    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds before giving up")
     p.add_argument(
         "--mean-metrics",
         action="store_true",
         help="average the loss over processes every step (one all-reduce per inner step)",
     )
     p.add_argument("--trace", action="store_true", help="also time each step and sync stage")
-    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -71,19 +72,14 @@ def _worker(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from _two_ranks import finish_worker, start_as_user
     from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm as jc
 
-    jax.distributed.initialize(
-        coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        num_processes=int(os.environ["WORLD_SIZE"]),
-        process_id=int(os.environ["RANK"]),
-    )
-    rank, n = jax.process_index(), jax.process_count()
-    mesh = jax.make_mesh((n,), ("dp",))
+    rank, n, mesh = start_as_user()
     H, F = args.H, args.F
     tau = args.tau if args.tau is not None else H // F - 1
     init = np.random.default_rng(0)
@@ -170,21 +166,17 @@ def _worker(args: argparse.Namespace) -> None:
         trace = _trace(runs["background"], H)
         if "floor" in runs:
             trace["floor_steps"] = _steps(runs["floor"], H, time.perf_counter())
-    Path(args.worker, f"rank{rank}.json").write_text(
-        json.dumps(
-            {
-                "rank": rank,
-                "times": times,
-                "cpu": cpu,
-                "thread_cpu": threads,
-                "compile_s": compile_s,
-                "tau": tau,
-                "sent_bytes_per_cycle": sent,
-                "trace": trace,
-            }
-        )
-    )
-    jax.distributed.shutdown()
+    result = {
+        "rank": rank,
+        "times": times,
+        "cpu": cpu,
+        "thread_cpu": threads,
+        "compile_s": compile_s,
+        "tau": tau,
+        "sent_bytes_per_cycle": sent,
+        "trace": trace,
+    }
+    finish_worker(args, rank, result)
 
 
 def _thread_cpu(sync_thread: int | None) -> dict[str, float]:
@@ -386,19 +378,8 @@ def main(argv=None) -> int:
         return 0
     from _two_ranks import report_two_ranks
 
-    worker_args = [
-        f"--H={args.H}",
-        f"--F={args.F}",
-        f"--bits={args.bits}",
-        f"--repeats={args.repeats}",
-        f"--methods={args.methods}",
-        *(["--trace"] if args.trace else []),
-        *(["--mean-metrics"] if args.mean_metrics else []),
-    ]
-    if args.tau is not None:
-        worker_args.append(f"--tau={args.tau}")
     return report_two_ranks(
-        __file__, worker_args, args, prefix="diloco_bg_", summarize=_summarize, table=_table
+        __file__, argv, args, prefix="diloco_bg_", summarize=_summarize, table=_table
     )
 
 

@@ -122,15 +122,12 @@ GRIDS = {
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rate", default="100mbit", help="tc rate of the shaped loopback (100mbit)")
+    from _two_ranks import two_rank_parser
+
+    p = two_rank_parser(__doc__.split("\n")[0], methods=METHODS, rate="100mbit", repeats=None)
     p.add_argument("--size", default="small", choices=sorted(SIZES))
     p.add_argument("--steps", type=int, default=None, help="exact Adam's steps (by size)")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
-    p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
     p.add_argument("--select", action="store_true", help="choose SETTINGS on seed 1")
     p.add_argument("--grid", metavar="KEYS", help="with --select: only these keys of GRIDS")
     p.add_argument("--ablate", action="store_true", help="SparseLoCo's ABLATIONS on seed 1")
@@ -148,7 +145,6 @@ def _parse(argv=None) -> argparse.Namespace:
         metavar=("OUT", "JSON"),
         help="repeated runs of one model and link into one result of medians",
     )
-    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -276,6 +272,7 @@ def _worker(args: argparse.Namespace) -> None:
     import jax
     import jax.numpy as jnp
     import optax
+    from _two_ranks import finish_worker, start_as_user
     from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -283,13 +280,7 @@ def _worker(args: argparse.Namespace) -> None:
     import jaxcomm as jc
     from jaxcomm.cli.models import ByteBatches, ByteTransformer
 
-    jax.distributed.initialize(
-        coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        num_processes=int(os.environ["WORLD_SIZE"]),
-        process_id=int(os.environ["RANK"]),
-    )
-    rank, n = jax.process_index(), jax.process_count()
-    mesh = jax.make_mesh((n,), ("dp",))
+    rank, n, mesh = start_as_user()
     split = NamedSharding(mesh, P("dp"))
     steps = args.steps or default_steps(args.size)
     model = ByteTransformer(**SIZES[args.size])
@@ -371,8 +362,7 @@ def _worker(args: argparse.Namespace) -> None:
         }
         print(f"[rank {rank}] {name}: {i} steps, {elapsed:.1f} s, loss {held:.4f}", flush=True)
     out = {"rank": rank, "results": results, "steps": steps, "background": has_background()}
-    Path(args.worker, f"rank{rank}.json").write_text(json.dumps(out))
-    jax.distributed.shutdown()
+    finish_worker(args, rank, out)
 
 
 def time_to(curve: dict, target: float) -> float | None:
@@ -760,11 +750,8 @@ def main(argv=None) -> int:
         return _quality(args)
     from _two_ranks import report_two_ranks
 
-    worker_args = [f"--methods={args.methods}", f"--size={args.size}", f"--seed={args.seed}"]
-    if args.steps:
-        worker_args.append(f"--steps={args.steps}")
     return report_two_ranks(
-        __file__, worker_args, args, prefix="time_to_loss_", summarize=_summarize, table=_table
+        __file__, argv, args, prefix="time_to_loss_", summarize=_summarize, table=_table
     )
 
 

@@ -242,22 +242,23 @@ def offset_bytes(plans: Sequence[ChunkPlan]) -> int:
     return -(-sum(p.chunks * index_bits(p) for p in plans if p.kept) // 8)
 
 
-def _offset_spans(plans: Sequence[ChunkPlan]) -> dict[int, tuple[int, int]]:
-    """``{leaf: (first bit, bits)}`` of each plan that keeps values in the packed offsets."""
+def _offset_bits(
+    packed: jax.Array, plans: Sequence[ChunkPlan]
+) -> tuple[jax.Array, dict[int, tuple[int, int]]]:
+    """The packed offsets as bits, and ``{leaf: (first bit, bits)}`` of each plan that keeps
+    values among them."""
     spans, at = {}, 0
     for i, plan in enumerate(plans):
         if plan.kept:
             spans[i] = (at, plan.chunks * index_bits(plan))
             at += spans[i][1]
-    return spans
+    return unpack_bits(packed[..., : -(-at // 8)], at), spans
 
 
 def unpack_offsets(packed: jax.Array, plans: Sequence[ChunkPlan]) -> list[jax.Array]:
     """Inverse of :func:`offset_bytes`' packing over the last axis (``packed`` may run on):
     the ``(..., chunks, k)`` int32 offsets of each plan that keeps values, in order."""
-    spans = _offset_spans(plans)
-    total = sum(width for _, width in spans.values())
-    bits = unpack_bits(packed[..., : -(-total // 8)], total)
+    bits, spans = _offset_bits(packed, plans)
     return [decode_offsets(bits[..., a : a + width], plans[i]) for i, (a, width) in spans.items()]
 
 
@@ -291,9 +292,7 @@ def unpack_grouped_offsets(
 ) -> list[jax.Array]:
     """:func:`unpack_offsets` decoded group by group (``groups`` from :func:`tile_groups`):
     each group's ``(..., chunks, k)`` int32 offsets, its members' chunks stacked in order."""
-    spans = _offset_spans(plans)
-    total = sum(width for _, width in spans.values())
-    bits = unpack_bits(packed[..., : -(-total // 8)], total)
+    bits, spans = _offset_bits(packed, plans)
     lead, out = bits.shape[:-1], []
     for members in groups:
         per_chunk = [

@@ -229,9 +229,10 @@ def demo(
         # same tile go through the DCT, top-k and coding as one stack of chunks.
         ms = [beta * mu.reshape(-1) + lr * g.reshape(-1) for g, mu in zip(grads, mus, strict=True)]
         groups = tile_groups(plans, alone_from=_ALONE_FROM)
+        group_plans = [stacked_plan([plans[i] for i in members]) for members in groups]
+        group_rows = [split_rows(members, plans) for members in groups]
         leaf_bits, leaf_values, leaf_sent = {}, {}, {}
-        for members in groups:
-            plan = stacked_plan([plans[i] for i in members])
+        for members, plan, rows_of in zip(groups, group_plans, group_rows, strict=True):
             coeffs = _dct(jnp.concatenate([to_chunks(ms[i], plans[i]) for i in members]), plan)
             key = jnp.where(jnp.isfinite(coeffs), jnp.abs(coeffs), jnp.inf)
             idx = wire_order(lax.top_k(key, plan.k)[1], plan)
@@ -240,7 +241,7 @@ def demo(
             sent = jnp.zeros_like(coeffs).at[rows, idx].set(kept.astype(jnp.float32))
             sent = _dct(sent, plan, inverse=True)
             bits = encode_offsets(idx, plan).reshape(plan.chunks, -1)
-            for i, rows_i in zip(members, split_rows(members, plans), strict=True):
+            for i, rows_i in zip(members, rows_of, strict=True):
                 leaf_bits[i], leaf_values[i] = bits[rows_i], kept[rows_i].reshape(-1)
                 leaf_sent[i] = sent[rows_i]
         new_mus = [
@@ -274,8 +275,9 @@ def demo(
         if total:
             group_offsets = unpack_grouped_offsets(parts, plans, groups)
             starts = np.cumsum([0] + [p.kept for p in plans])
-            for members, off in zip(groups, group_offsets, strict=True):
-                plan = stacked_plan([plans[i] for i in members])
+            for members, plan, rows_of, off in zip(
+                groups, group_plans, group_rows, group_offsets, strict=True
+            ):
                 val = jnp.concatenate(
                     [all_values[:, starts[i] : starts[i + 1]] for i in members], axis=1
                 ).reshape(-1)
@@ -285,7 +287,7 @@ def demo(
                 count = jnp.zeros((size,), jnp.float32).at[flat].add(1.0)
                 mean = (sums / jnp.maximum(count, 1.0)).reshape(plan.chunks, plan.length)
                 u = _dct(mean, plan, inverse=True)
-                for i, rows_i in zip(members, split_rows(members, plans), strict=True):
+                for i, rows_i in zip(members, rows_of, strict=True):
                     directions[i] = jnp.sign(from_chunks(u[rows_i], plans[i])).reshape(
                         grads[i].shape
                     )

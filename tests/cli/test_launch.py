@@ -97,7 +97,10 @@ _FAIL = """\
 import os, sys, time
 from pathlib import Path
 rank = os.environ["RANK"]
-Path(sys.argv[1], rank).write_text(str(os.getpid()))
+# written whole, then renamed: the test may read the file the moment it appears
+staged = Path(sys.argv[1]).parent / f".pid{rank}"
+staged.write_text(str(os.getpid()))
+os.replace(staged, Path(sys.argv[1], rank))
 if rank == "1":
     time.sleep(0.5)
     print("rank 1 giving up", flush=True)

@@ -117,7 +117,9 @@ def test_hang_timeout_names_a_stopped_rank_without_heartbeats(tmp_path):
     script = tmp_path / "sleep.py"
     script.write_text(
         "import os, sys, time\n"
-        "open(os.path.join(sys.argv[1], 'pid' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+        "staged = os.path.join(sys.argv[1], '.pid' + os.environ['RANK'])\n"
+        "open(staged, 'w').write(str(os.getpid()))\n"
+        "os.replace(staged, os.path.join(sys.argv[1], 'pid' + os.environ['RANK']))\n"
         "time.sleep(120)\n"
     )
     launcher = subprocess.Popen(

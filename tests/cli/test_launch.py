@@ -102,7 +102,8 @@ staged = Path(sys.argv[1]).parent / f".pid{rank}"
 staged.write_text(str(os.getpid()))
 os.replace(staged, Path(sys.argv[1], rank))
 if rank == "1":
-    time.sleep(0.5)
+    while len(os.listdir(sys.argv[1])) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.05)  # every rank has started before this one fails
     print("rank 1 giving up", flush=True)
     sys.exit(3)
 time.sleep(120)

@@ -408,6 +408,46 @@ def test_nonfinite_outer_gradient_skips_the_sync(mesh, bucket_bytes):
     assert not np.allclose(after.params["w"][0], after.opt_state.outer_params["w"])
 
 
+def _overflowing_sgd(lr):
+    """SGD whose update overflows (to -inf times the gradient's sign) once a gradient element
+    passes 1e6: a finite gradient that leaves the local copy non-finite."""
+
+    def update(grads, state, params=None):
+        big = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in jax.tree.leaves(grads)])) > 1e6
+        return jax.tree.map(lambda g: -jnp.where(big, 1e38, lr) * g, grads), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def test_local_copy_overflowed_by_a_finite_gradient_stops_the_run(mesh):
+    """Device 3's gradient at step 2 is finite but its inner update overflows its copy; its
+    next steps see non-finite gradients and are skipped; the sync after step 4 gets a
+    non-finite outer gradient and is skipped (theta kept, the other devices keep their own
+    copies: NumPy, four local SGD steps); the sync after step 8 finds device 3's streak (6)
+    past max_consecutive_skips=2 and stops the run."""
+    tx = jc.diloco(_overflowing_sgd(0.05), optax.sgd(0.7), 4, "dp", max_consecutive_skips=2)
+    params, batches = make_params(), make_batches(8)
+    batches[1][1][3 * B] = 1e8  # device 3, step 2: a finite gradient near 1e8
+    state = run(mesh, tx, params, batches[:4])
+    assert int(state.opt_state.skipped) == 1
+    counts = np.asarray(state.opt_state.local.nonfinite)
+    np.testing.assert_array_equal(counts, [0, 0, 0, 2, 0, 0, 0, 0])
+    _, xs = numpy_diloco(params, batches[:4], H=5, inner_lr=0.05, inner_mom=0.0, outer_lr=0.7,
+                         outer_mom=0.0)  # fmt: skip
+    for i, (got, theta) in enumerate(
+        zip(
+            jax.tree.leaves(state.params),
+            jax.tree.leaves(state.opt_state.outer_params),
+            strict=True,
+        )
+    ):
+        np.testing.assert_array_equal(np.asarray(theta), jax.tree.leaves(params)[i])
+        for r in (0, 1, 2, 4, 5, 6, 7):
+            np.testing.assert_allclose(np.asarray(got)[r], xs[r][i], rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match="consecutive steps"):
+        jax.block_until_ready(run(mesh, tx, params, batches))
+
+
 def test_bad_input_is_refused(mesh):
     inner, outer = optax.sgd(0.1), optax.sgd(0.7)
     with pytest.raises(ValueError, match="sync_every must be an int >= 1"):

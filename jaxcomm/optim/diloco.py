@@ -260,7 +260,7 @@ def diloco(
         # A float sum (see all_finite: boolean reductions are slow on XLA:CPU).
         ok = all_finite(updates)
 
-        def take(updates, inner_state, params):
+        def inner_step(updates, inner_state, params):
             if jnp.ndim(state.local.nonfinite) == 1:
                 # Inside jc.local_view the per-device leaves are (1, ...) blocks (DiLoCoLocal's
                 # private _blocks hook): the inner optimizer runs under vmap over that axis, so
@@ -276,12 +276,14 @@ def diloco(
                 inner_updates, inner_state = inner.update(updates, inner_state, params)
             return varying((inner_updates, inner_state))  # both branches typed alike
 
-        def keep(updates, inner_state, params):
-            shapes = jax.eval_shape(take, updates, inner_state, params)[0]
+        def skip_step(updates, inner_state, params):
+            shapes = jax.eval_shape(inner_step, updates, inner_state, params)[0]
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             return varying((zeros, inner_state))
 
-        inner_updates, inner_state = lax.cond(ok, take, keep, updates, state.local.inner, params)
+        inner_updates, inner_state = lax.cond(
+            ok, inner_step, skip_step, updates, state.local.inner, params
+        )
         local = jax.tree.leaves(optax.apply_updates(params, inner_updates))
         inner_nonfinite = state.local.nonfinite + jnp.where(ok, 0, 1).astype(jnp.int32)
         in_a_row = jnp.where(ok, 0, state.local.consecutive + 1).astype(jnp.int32)

@@ -79,6 +79,7 @@ from jaxcomm.comm.state import init_state
 from jaxcomm.compressors import Compressor
 from jaxcomm.optim._skip import all_finite, check_skips, keep_error_feedback
 from jaxcomm.optim.diloco_background import BackgroundSpec, check_driven, register
+from jaxcomm.optim.diloco_inner import make_inner_step
 from jaxcomm.optim.diloco_outer import (
     axis_size_of,
     check_leaves,
@@ -248,41 +249,16 @@ def diloco(
     def varying(tree):
         return jax.tree.map(lambda x: ensure_varying(x, axis_name), tree)
 
+    inner_step = make_inner_step(inner, axis_name)
+
     def update_fn(updates, state, params=None):
         param_leaves, treedef = jax.tree.flatten(params)
         check_update(state, param_leaves, axis_name, F)
         if background:
             check_driven()
-        # Per device: a step whose gradient is not finite is not taken (parameters and inner
-        # state kept), decided before the inner update so that it is a cond around it: the taken
-        # branch updates the donated state in place, while a select after the update costs a
-        # second pass over it and copies (64 MiB MLP, one CPU core: 60 -> 42 ms per inner step).
-        # A float sum (see all_finite: boolean reductions are slow on XLA:CPU).
-        ok = all_finite(updates)
-
-        def inner_step(updates, inner_state, params):
-            if jnp.ndim(state.local.nonfinite) == 1:
-                # Inside jc.local_view the per-device leaves are (1, ...) blocks (DiLoCoLocal's
-                # private _blocks hook): the inner optimizer runs under vmap over that axis, so
-                # it sees its usual shapes and XLA updates its donated state in place.
-                def block(tree):
-                    return jax.tree.map(lambda x: jnp.reshape(x, (1, *jnp.shape(x))), tree)
-
-                inner_updates, inner_state = jax.vmap(inner.update)(
-                    block(updates), inner_state, block(params)
-                )
-                inner_updates = jax.tree.map(lambda u: u[0], inner_updates)
-            else:
-                inner_updates, inner_state = inner.update(updates, inner_state, params)
-            return varying((inner_updates, inner_state))  # both branches typed alike
-
-        def skip_step(updates, inner_state, params):
-            shapes = jax.eval_shape(inner_step, updates, inner_state, params)[0]
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            return varying((zeros, inner_state))
-
-        inner_updates, inner_state = lax.cond(
-            ok, inner_step, skip_step, updates, state.local.inner, params
+        # Per device: a step whose gradient is not finite is not taken (diloco_inner).
+        ok, inner_updates, inner_state = inner_step(
+            updates, state.local.inner, params, jnp.ndim(state.local.nonfinite) == 1
         )
         local = jax.tree.leaves(optax.apply_updates(params, inner_updates))
         inner_nonfinite = state.local.nonfinite + jnp.where(ok, 0, 1).astype(jnp.int32)

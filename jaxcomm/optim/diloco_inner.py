@@ -1,0 +1,63 @@
+"""DiLoCo's inner step: the inner optimizer on one device's copy, skipped on a bad gradient.
+
+A step whose gradient is not finite on a device is not taken there: its parameters and inner
+state are kept (the update is zero). The check reads the gradient before the inner update, so
+the update runs inside a ``lax.cond`` whose taken branch updates the donated state in place;
+checking the new copy instead would need a second pass of selects over the state after the
+update, and copies of it (64 MiB MLP, one CPU core: 60 -> 42 ms per inner step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxcomm._compat import ensure_varying
+from jaxcomm.optim._skip import all_finite
+
+PyTree = Any
+
+
+def make_inner_step(inner: optax.GradientTransformation, axis_name: str) -> Callable:
+    """``inner_step(updates, inner_state, params, blocked) -> (ok, inner_updates, inner_state)``.
+
+    ``ok``: this device's gradient is finite (a float sum, see :func:`all_finite`); when it is
+    not, ``inner_updates`` are zeros and ``inner_state`` the input's. ``blocked``: the inner
+    state's leaves are the ``(1, ...)`` blocks of ``jc.local_view`` (the inner optimizer then
+    runs under ``vmap`` over that axis, so it sees its usual shapes and XLA updates its donated
+    state in place).
+    """
+
+    def varying(tree: PyTree) -> PyTree:  # both branches typed alike under check_vma
+        return jax.tree.map(lambda x: ensure_varying(x, axis_name), tree)
+
+    def inner_step(updates, inner_state, params, blocked: bool):
+        def take(updates, inner_state, params):
+            if blocked:
+
+                def block(tree):
+                    return jax.tree.map(lambda x: jnp.reshape(x, (1, *jnp.shape(x))), tree)
+
+                new_updates, new_state = jax.vmap(inner.update)(
+                    block(updates), inner_state, block(params)
+                )
+                new_updates = jax.tree.map(lambda u: u[0], new_updates)
+            else:
+                new_updates, new_state = inner.update(updates, inner_state, params)
+            return varying((new_updates, new_state))
+
+        def skip(updates, inner_state, params):
+            shapes = jax.eval_shape(take, updates, inner_state, params)[0]
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            return varying((zeros, inner_state))
+
+        ok = all_finite(updates)
+        new_updates, new_state = lax.cond(ok, take, skip, updates, inner_state, params)
+        return ok, new_updates, new_state
+
+    return inner_step

@@ -339,6 +339,8 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
         "outer_gradient": "exact fp32" if args.bits == "exact" else f"int{args.bits} + EF",
         "repeats": args.repeats,
         "cycle_s": cycle,
+        # Every round's cycle by rank and row (the medians above hide how much a row moves).
+        "rounds_s": [{k: [round(t, 4) for t in v] for k, v in r["times"].items()} for r in ranks],
         "compile_s": {k: max(r["compile_s"][k] for r in ranks) for k in cycle},
         **({"cpu_s_per_cycle": _cpu(ranks)} if "cpu" in ranks[0] else {}),
         **({"thread_cpu_s_per_cycle": _thread_medians(ranks)} if "thread_cpu" in ranks[0] else {}),

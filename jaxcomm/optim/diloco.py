@@ -73,10 +73,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.all_reduce import compressed_pmean
 from jaxcomm.comm.state import init_state
 from jaxcomm.compressors import Compressor
+from jaxcomm.optim._common import varying
 from jaxcomm.optim._skip import all_finite, check_skips, keep_error_feedback
 from jaxcomm.optim.diloco_background import BackgroundSpec, check_driven, register
 from jaxcomm.optim.diloco_inner import make_inner_step
@@ -246,9 +246,6 @@ def diloco(
         ok = all_finite(mean)
         return mean, keep_error_feedback(ok, new, comm, delta, compressor, bucket_bytes)
 
-    def varying(tree):
-        return jax.tree.map(lambda x: ensure_varying(x, axis_name), tree)
-
     inner_step = make_inner_step(inner, axis_name)
 
     def update_fn(updates, state, params=None):
@@ -274,7 +271,7 @@ def diloco(
         inner_only = [True] * len(param_leaves)
         for f, ids in enumerate(fragment_leaves(len(param_leaves), F)):
             th = [theta[i] for i in ids]
-            x = varying([local[i] for i in ids])
+            x = varying([local[i] for i in ids], axis_name)
             if tau == 0:
 
                 def sync(th, x, outer_state, comm, counts):

@@ -57,19 +57,28 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--H", type=int, default=16, help="sync_every (16)")
     p.add_argument("--F", type=int, default=1, help="fragments (1)")
     p.add_argument("--tau", type=int, default=None, help="overlap_steps (H // F - 1)")
-    p.add_argument("--bits", default="4", help="outer gradient: 4, 8 (jc.Quantize + EF), exact")
+    p.add_argument(
+        "--bits", default="4", help="outer gradient: 1 (jc.OneBit), 4, 8 (jc.Quantize + EF), exact"
+    )
     p.add_argument(
         "--mean-metrics",
         action="store_true",
         help="average the loss over processes every step (one all-reduce per inner step)",
     )
+    p.add_argument(
+        "--model",
+        default="mlp",
+        choices=("mlp", "transformer"),
+        help="the 64 MiB MLP (16 examples a process) or the 16.8M-parameter transformer of "
+        "train_step_1gbit.py (--transformer-batch sequences of 64 tokens a process)",
+    )
+    p.add_argument("--transformer-batch", type=int, default=4)
     p.add_argument("--trace", action="store_true", help="also time each step and sync stage")
     return p.parse_args(argv)
 
 
 def _worker(args: argparse.Namespace) -> None:
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from _two_ranks import finish_worker, start_as_user
@@ -82,28 +91,20 @@ def _worker(args: argparse.Namespace) -> None:
     rank, n, mesh = start_as_user()
     H, F = args.H, args.F
     tau = args.tau if args.tau is not None else H // F - 1
-    init = np.random.default_rng(0)
-    params = {
-        f"l{i}": {
-            "w": jnp.asarray(init.standard_normal((WIDTH, WIDTH), np.float32) / np.sqrt(WIDTH)),
-            "b": jnp.zeros(WIDTH),
-        }
-        for i in range(LAYERS)
-    }
+    if args.model == "transformer":
+        from train_step_1gbit import make_transformer
 
-    def loss_fn(p, batch):
-        x, y = batch
-        for i in range(LAYERS):
-            x = x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
-            x = jnp.tanh(x) if i < LAYERS - 1 else x
-        return jnp.mean((x - y) ** 2)
-
-    data = np.random.default_rng(1 + rank)
-    batch = (
-        data.standard_normal((BATCH, WIDTH), np.float32),
-        data.standard_normal((BATCH, WIDTH), np.float32),
-    )
-    compressor = None if args.bits == "exact" else jc.Quantize(int(args.bits), error_feedback=True)
+        params, loss_fn, batch = make_transformer(
+            argparse.Namespace(batch=args.transformer_batch), rank
+        )
+    else:
+        params, loss_fn, batch = _mlp(rank)
+    if args.bits == "exact":
+        compressor = None
+    elif args.bits == "1":
+        compressor = jc.OneBit()
+    else:
+        compressor = jc.Quantize(int(args.bits), error_feedback=True)
 
     def train(sync_every, background):
         tx = jc.diloco(
@@ -177,6 +178,35 @@ def _worker(args: argparse.Namespace) -> None:
         "trace": trace,
     }
     finish_worker(args, rank, result)
+
+
+def _mlp(rank: int):
+    """The 64 MiB MLP: ``LAYERS`` tanh layers of ``WIDTH`` x ``WIDTH``, ``BATCH`` examples."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    init = np.random.default_rng(0)
+    params = {
+        f"l{i}": {
+            "w": jnp.asarray(init.standard_normal((WIDTH, WIDTH), np.float32) / np.sqrt(WIDTH)),
+            "b": jnp.zeros(WIDTH),
+        }
+        for i in range(LAYERS)
+    }
+
+    def loss_fn(p, batch):
+        x, y = batch
+        for i in range(LAYERS):
+            x = x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
+            x = jnp.tanh(x) if i < LAYERS - 1 else x
+        return jnp.mean((x - y) ** 2)
+
+    data = np.random.default_rng(1 + rank)
+    batch = (
+        data.standard_normal((BATCH, WIDTH), np.float32),
+        data.standard_normal((BATCH, WIDTH), np.float32),
+    )
+    return params, loss_fn, batch
 
 
 def _thread_cpu(sync_thread: int | None) -> dict[str, float]:
@@ -324,6 +354,7 @@ def _thread_medians(ranks: list[dict]) -> dict:
 
 def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
     from _two_ranks import provenance, slower_rank_medians
+    from train_step_1gbit import TRANSFORMER
 
     cycle = slower_rank_medians(ranks)
     ratios = {f"{k}_over_floor": v / cycle["floor"] for k, v in cycle.items() if "floor" in cycle}
@@ -331,12 +362,19 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
     return {
         **provenance(),
         "rate": args.rate if shaped else "unshaped",
-        "model": f"MLP {LAYERS} x {WIDTH} x {WIDTH} (64 MiB fp32), batch {BATCH} per process",
+        "model": (
+            f"transformer {TRANSFORMER} (16.8M fp32 parameters), {args.transformer_batch} "
+            "sequences per process"
+            if args.model == "transformer"
+            else f"MLP {LAYERS} x {WIDTH} x {WIDTH} (64 MiB fp32), batch {BATCH} per process"
+        ),
         "H": args.H,
         "fragments": args.F,
         "overlap_steps": ranks[0]["tau"],
         "mean_metrics": args.mean_metrics,
-        "outer_gradient": "exact fp32" if args.bits == "exact" else f"int{args.bits} + EF",
+        "outer_gradient": {"exact": "exact fp32", "1": "1-bit (jc.OneBit)"}.get(
+            args.bits, f"int{args.bits} + EF"
+        ),
         "repeats": args.repeats,
         "cycle_s": cycle,
         # Every round's cycle by rank and row (the medians above hide how much a row moves).

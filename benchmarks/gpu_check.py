@@ -97,8 +97,8 @@ def stage_functions(block: int = 2048) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxcomm.compressors.onebit import pack_signs, scaled_signs
     from jaxcomm.compressors.quantize import quantize_blocks
+    from jaxcomm.compressors.signs import pack_signs, scaled_signs
 
     def onebit_compress(x):
         scale = jnp.sqrt(jnp.sum(jnp.square(x))) / jnp.sqrt(float(x.size))

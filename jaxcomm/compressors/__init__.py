@@ -1,9 +1,9 @@
 """Compressors: how one bucket is reduced across a mesh axis, one family per module.
 
 ``_base`` (the :class:`Compressor` interface, exact :class:`NoCompression`), ``_two_stage``
-(two-stage error feedback, the fp32-reduction skeleton), ``onebit``, ``quantize``, ``cast``,
-``powersgd``, ``topk``, ``sparseloco`` (its chunking and wire codes in ``chunks``). Public names
-are exported from :mod:`jaxcomm`.
+(two-stage error feedback, the fp32-reduction skeleton), ``onebit`` (its wire and stage
+arithmetic in ``signs``), ``quantize``, ``cast``, ``powersgd``, ``topk``, ``sparseloco`` (its
+chunking and wire codes in ``chunks``). Public names are exported from :mod:`jaxcomm`.
 """
 
 from jaxcomm.compressors._base import Compressor as Compressor
@@ -16,8 +16,6 @@ from jaxcomm.compressors.cast import Cast as Cast
 from jaxcomm.compressors.onebit import OneBit as OneBit
 from jaxcomm.compressors.onebit import OneBitScatterState as OneBitScatterState
 from jaxcomm.compressors.onebit import OneBitState as OneBitState
-from jaxcomm.compressors.onebit import pack_signs as pack_signs
-from jaxcomm.compressors.onebit import unpack_signs as unpack_signs
 from jaxcomm.compressors.powersgd import PowerSGD as PowerSGD
 from jaxcomm.compressors.powersgd import PowerSGDState as PowerSGDState
 from jaxcomm.compressors.quantize import Quantize as Quantize
@@ -27,6 +25,8 @@ from jaxcomm.compressors.quantize import block_layout as block_layout
 from jaxcomm.compressors.quantize import pack_int4 as pack_int4
 from jaxcomm.compressors.quantize import quantize_blocks as quantize_blocks
 from jaxcomm.compressors.quantize import unpack_int4 as unpack_int4
+from jaxcomm.compressors.signs import pack_signs as pack_signs
+from jaxcomm.compressors.signs import unpack_signs as unpack_signs
 from jaxcomm.compressors.sparseloco import SparseLoCo as SparseLoCo
 from jaxcomm.compressors.sparseloco import SparseLoCoState as SparseLoCoState
 from jaxcomm.compressors.topk import TopK as TopK

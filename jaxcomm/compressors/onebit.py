@@ -7,66 +7,25 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
 from jaxcomm.comm.buckets import round_up
 from jaxcomm.compressors._two_stage import TwoStageFeedback, TwoStageScatterState, TwoStageState
-
-# Bit k of a packed byte (most significant first) holds element 8*i + k: DeepSpeed's order.
-_BIT_SHIFTS = np.arange(7, -1, -1, dtype=np.uint8)
-_BIT_MASKS = np.left_shift(1, _BIT_SHIFTS).astype(np.uint8)  # 128, 64, ..., 1
+from jaxcomm.compressors.signs import (
+    decode_mean,
+    l2_scale,
+    residual,
+    scaled_sign_rows,
+    server_payload,
+    signs_and_scales,
+    weighted_sign_sum,
+    worker_payload,
+)
 
 #: OneBit's states are the two-stage states (the same fields); the names stay for readability.
 OneBitState = TwoStageState
 OneBitScatterState = TwoStageScatterState
-
-
-def pack_signs(values: jax.Array) -> jax.Array:
-    """Pack ``values >= 0`` 8 per byte, most significant bit first. ``len(values) % 8 == 0``."""
-    return _pack_rows(values.reshape(-1, 8))
-
-
-def scaled_sign_rows(packed: jax.Array, scale: jax.Array | float) -> jax.Array:
-    """``scale * unpack_signs(packed)`` with the bits of byte ``m`` in row ``m``: ``(..., M)``
-    bytes -> ``(..., M, 8)`` fp32 (``scale`` broadcast against ``packed``'s shape).
-
-    A select of ``scale`` or ``-scale`` on a masked bit: XLA:CPU vectorises it over the 8
-    bits of a row (shifting the bits down and converting them to floats, ``(bit * 2 - 1) *
-    scale``, gives the same values, slower). Computed in this shape, a fusion reads each byte
-    once per row; a consumer in the flat shape indexes a byte per element instead.
-    """
-    set_ = (packed[..., None] & _BIT_MASKS) != 0
-    scale = jnp.asarray(scale, jnp.float32)[..., None]
-    return jnp.where(set_, scale, -scale)
-
-
-def scaled_signs(packed: jax.Array, scale: jax.Array | float) -> jax.Array:
-    """``scale * unpack_signs(packed)``: :func:`scaled_sign_rows`, the last two axes merged."""
-    out = scaled_sign_rows(packed, scale)
-    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
-
-
-def _pack_rows(rows: jax.Array) -> jax.Array:
-    """``rows >= 0`` packed one byte per ``(..., M, 8)`` row, most significant bit first."""
-    return jnp.sum((rows >= 0).astype(jnp.uint8) << _BIT_SHIFTS, axis=-1, dtype=jnp.uint8)
-
-
-def unpack_signs(packed: jax.Array) -> jax.Array:
-    """Inverse of :func:`pack_signs` as ``+1.0 / -1.0`` floats; the last axis grows 8x."""
-    return scaled_signs(packed, 1.0)
-
-
-def _scale_bytes(scale: jax.Array) -> jax.Array:
-    """A fp32 scale as 4 bytes, sent with the packed signs (one collective, not two)."""
-    return lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint8)
-
-
-def _signs_and_scales(received: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Rows of packed signs, each followed by its scale's 4 bytes (:func:`_scale_bytes`): the
-    ``(n, M)`` signs and the ``n`` fp32 scales."""
-    return received[:, :-4], lax.bitcast_convert_type(received[:, -4:], jnp.float32)
 
 
 # XLA:TPU lays out uint8 arrays in tiles of 4 rows of 128 bytes. A row of any other length is
@@ -114,26 +73,6 @@ def _all_gather_row(row: jax.Array, axis_name) -> jax.Array:
         return all_gather_replicated(row, axis_name)
 
     return lax.platform_dependent(row, tpu=tpu, default=other)
-
-
-def _sign(values: jax.Array) -> jax.Array:
-    # sgn(0) = +1, as DeepSpeed's packing does: the reconstruction must use the packed bit.
-    return jnp.where(values >= 0, 1.0, -1.0).astype(values.dtype)
-
-
-def _weighted_sign_sum(packed: jax.Array, weights: jax.Array) -> jax.Array:
-    """``sum_j weights[j] * unpack(packed[j])`` for packed ``(n, M)`` -> ``(M, 8)`` fp32 rows.
-
-    For small ``n`` this unrolls into one elementwise fusion that reads each packed row once and
-    never materializes ``n`` unpacked float rows (the naive broadcast is slower on CPU).
-    """
-    n = packed.shape[0]
-    if n <= 16:
-        total = scaled_sign_rows(packed[0], weights[0])
-        for j in range(1, n):
-            total = total + scaled_sign_rows(packed[j], weights[j])
-        return total
-    return jnp.einsum("j,jmk->mk", weights, scaled_sign_rows(packed, 1.0))
 
 
 def _plus_error(flat: jax.Array, error: jax.Array, sizes, axis_name) -> jax.Array:
@@ -236,20 +175,18 @@ class OneBit(TwoStageFeedback):
         scales arrive before the residual is written, so that choice fuses into the pass that
         writes it instead of costing a pass of its own.
         """
-        scale = jnp.sqrt(jnp.sum(jnp.square(buf))) / math.sqrt(buf.size)
-        packed = pack_signs(buf).reshape(axis_size, -1)
-        tail = jnp.broadcast_to(_scale_bytes(scale), (axis_size, 4))
-        payload = ensure_varying(jnp.concatenate([packed, tail], axis=1), axis_name)
+        scale = l2_scale(buf)
+        payload = ensure_varying(worker_payload(buf, scale, axis_size), axis_name)
         received = _all_to_all_rows(payload, axis_name)
-        signs, scales = _signs_and_scales(received)
-        new_error = buf - scale * _sign(buf)
+        signs, scales = signs_and_scales(received)
+        new_error = residual(buf, scale)
         finite = None
         if guard:
             # buf is finite iff its L2 norm is (an overflowing norm counts as non-finite), and
             # every output element is a scale times a sign: the scales decide everything.
             finite = jnp.all(jnp.isfinite(scales))
             new_error = jnp.where(finite, new_error, worker_error)
-        return _weighted_sign_sum(signs, scales / axis_size), new_error, finite
+        return weighted_sign_sum(signs, scales / axis_size), new_error, finite
 
     def _all_reduce(self, flat, state: OneBitState, sizes, axis_name, axis_size, guard):
         """Stages 1-4 up to the gathered server signs: ``(signs, scales, state, finite)``.
@@ -271,12 +208,12 @@ class OneBit(TwoStageFeedback):
         c = old_rows + compensated
         if guard:
             c = jnp.where(finite, c, old_rows)
-        scale = jnp.sqrt(jnp.sum(jnp.square(c.reshape(-1)))) / math.sqrt(c.size)
+        scale = l2_scale(c.reshape(-1))
         if guard:  # a non-finite input makes the output non-finite (NaN scales), as unguarded
             scale = jnp.where(finite, scale, jnp.nan)
-        gathered = _all_gather_row(jnp.concatenate([_pack_rows(c), _scale_bytes(scale)]), axis_name)
-        signs, scales = _signs_and_scales(gathered)
-        server_error = c - scale * _sign(c)
+        gathered = _all_gather_row(server_payload(c, scale), axis_name)
+        signs, scales = signs_and_scales(gathered)
+        server_error = residual(c, scale)
         if guard:
             # Not finite: c is e_s, kept. Finite inputs whose server sum overflowed (|c| >
             # 3.4e38) leave no finite e_s to keep: it restarts from zero, no Inf is stored.
@@ -291,7 +228,7 @@ class OneBit(TwoStageFeedback):
     @staticmethod
     def _decode(signs: jax.Array, scales: jax.Array, numel: int) -> jax.Array:
         """The mean of :meth:`_all_reduce`'s gathered chunks, cut to the bucket's ``numel``."""
-        return scaled_signs(signs, scales[:, None]).reshape(-1)[:numel]
+        return decode_mean(signs, scales, numel)
 
     @staticmethod
     def _decode_leaves(signs: jax.Array, scales: jax.Array, shapes) -> list[jax.Array]:

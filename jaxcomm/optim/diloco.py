@@ -141,9 +141,9 @@ def diloco(
         steps in a row were skipped as non-finite, or at a sync where a device has skipped more
         than this many inner steps in a row; ``None``: never (no host callback, no int32 max).
       background: run each sync's reduction on a host thread while the next ``tau - 1`` inner
-        steps compute (``overlap_steps >= 2``; ``compressor`` ``None``, ``jc.Quantize`` or
-        ``jc.Cast``; through ``jc.make_train_step``, which drives it). Same parameters as
-        ``background=False``; see :mod:`jaxcomm.optim.diloco_background`.
+        steps compute (``overlap_steps >= 2``; ``compressor`` ``None``, ``jc.Quantize``,
+        ``jc.Cast`` or ``jc.OneBit``; through ``jc.make_train_step``, which drives it). Same
+        parameters as ``background=False``; see :mod:`jaxcomm.optim.diloco_background`.
       sync_timeout: with ``background``, seconds a sync may take before the step that needs
         it raises ``SyncError`` (a process died or hung).
 

@@ -333,7 +333,8 @@ class BackgroundSync:
         mean, flags = programs.finish(gathered, workers, servers, kept)
         if not flags:
             return mean, None
-        bad, count = flags
+        bad, count, *settled = flags  # OneBit's finish settles the server residuals
+        servers = settled[0] if settled else servers
         keep_old = {pos for pos, (flag,) in self._rows([bad]).items() if flag}
         return mean, (workers, servers, count, keep_old)
 

@@ -32,20 +32,21 @@ import jax.numpy as jnp
 
 from jaxcomm.comm.buckets import Bucket, ceil_div, flatten_bucket, unflatten_bucket
 from jaxcomm.comm.state import ReduceState, plan_tree
-from jaxcomm.compressors import Compressor, NoCompression
+from jaxcomm.compressors import Compressor, NoCompression, OneBit
 from jaxcomm.compressors._two_stage import ReduceInFp32
+from jaxcomm.optim import diloco_onebit_stages as onebit
 
 PyTree = Any
 
 
 def check_staged(compressor: Compressor) -> None:
     """Refuse, with the fix, a compressor whose chain the background sync cannot stage."""
-    if isinstance(compressor, NoCompression | ReduceInFp32):
+    if isinstance(compressor, NoCompression | ReduceInFp32 | OneBit):
         return
     raise ValueError(
         f"jaxcomm: diloco(background=True) runs the outer gradient's reduction as device "
-        f"programs around host exchanges, which it can do for compressor=None, jc.Quantize and "
-        f"jc.Cast; got {compressor!r}: use one of these, or background=False"
+        f"programs around host exchanges, which it can do for compressor=None, jc.Quantize, "
+        f"jc.Cast and jc.OneBit; got {compressor!r}: use one of these, or background=False"
     )
 
 
@@ -59,6 +60,8 @@ class Plan(NamedTuple):
 
 def plan(compressor, leaves, bucket_bytes, axis_size: int) -> Plan:
     _, _, buckets = plan_tree(list(leaves), compressor, bucket_bytes)
+    if isinstance(compressor, OneBit):  # its layout is in its state: (Np,) and (Np / n,)
+        return Plan(tuple(buckets), (), True)
     layouts = []
     for b in buckets:
         chunk = ceil_div(b.numel, axis_size)
@@ -94,6 +97,8 @@ def _reduce(compressor, wire, n):
 def worker(compressor, p: Plan, leaves, comm: ReduceState, n: int):
     """Stage 1 on one device: ``(wires, worker residuals)``; ``wires[k]`` is bucket ``k``'s
     tuple of ``(n, ...)`` arrays, row ``q`` for device ``q``."""
+    if isinstance(compressor, OneBit):
+        return onebit.worker(p.buckets, leaves, comm, n)
     wires, residuals = [], []
     for k, (bucket, (blocks, length)) in enumerate(zip(p.buckets, p.layouts, strict=True)):
         flat = flatten_bucket(leaves, bucket)
@@ -117,6 +122,8 @@ def kept(p: Plan, comm: ReduceState):
 def server(compressor, p: Plan, received, kept, n: int):
     """Stage 2 on one device: ``(wires to gather, server residuals)``; ``kept``: from
     :func:`kept`."""
+    if isinstance(compressor, OneBit):
+        return onebit.server(p.buckets, received, kept, n)
     wires, residuals = [], []
     for k, (blocks, length) in enumerate(p.layouts):
         chunk = _reduce(compressor, received[k], n)
@@ -131,7 +138,10 @@ def server(compressor, p: Plan, received, kept, n: int):
 def finish(compressor, p: Plan, gathered, workers, servers, kept, n: int):
     """Stage 3 on every device: ``(the mean's leaves in fragment order, flags)``; ``flags``:
     ``()`` without error feedback, else ``(bad, count)``: whether the mean or a new residual
-    is not finite (the guard keeps the old residuals) and the non-finite count after it."""
+    is not finite (the guard keeps the old residuals) and the non-finite count after it;
+    OneBit's also settles the server residuals (:func:`diloco_onebit_stages.finish`)."""
+    if isinstance(compressor, OneBit):
+        return onebit.finish(p.buckets, gathered, servers, kept)
     num_leaves = sum(len(b.leaf_ids) for b in p.buckets)
     out: list = [None] * num_leaves
     bad = jnp.bool_(False)

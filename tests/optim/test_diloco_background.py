@@ -67,8 +67,10 @@ def _without_pending(state):
         (jc.Quantize(bits=8, error_feedback=True), 8, 2, 3),
         (jc.Quantize(bits=4), 6, 2, 2),
         (jc.Cast(), 4, 1, 2),
+        (jc.OneBit(), 6, 1, 3),
+        (jc.OneBit(), 8, 2, 3),
     ],
-    ids=["int4-ef", "int8-ef-F2", "int4-no-ef-F2", "bf16"],
+    ids=["int4-ef", "int8-ef-F2", "int4-no-ef-F2", "bf16", "onebit", "onebit-F2"],
 )
 def test_background_equals_the_single_program_bit_for_bit(mesh, compressor, H, F, tau):
     batches = make_batches(3 * H)  # ends between syncs: nothing in flight
@@ -149,7 +151,7 @@ def test_bad_input_is_refused(mesh):
     inner, outer = optax.sgd(0.1), optax.sgd(1.0)
     with pytest.raises(ValueError, match="overlap_steps >= 2"):
         jc.diloco(inner, outer, 8, "dp", overlap_steps=1, background=True)
-    with pytest.raises(ValueError, match="compressor=None, jc.Quantize and jc.Cast"):
+    with pytest.raises(ValueError, match="compressor=None, jc.Quantize, jc.Cast and jc.OneBit"):
         jc.diloco(inner, outer, 8, "dp", jc.TopK(0.1), overlap_steps=2, background=True)
     with pytest.raises(ValueError, match="sync_timeout"):
         jc.diloco(inner, outer, 8, "dp", overlap_steps=2, background=True, sync_timeout=0)
@@ -203,20 +205,35 @@ def test_resize_with_a_sync_in_flight_continues_as_the_single_program(mesh):
         np.testing.assert_allclose(a, b, rtol=0, atol=32 * np.finfo(np.float32).eps)
 
 
-def test_a_nonfinite_sync_keeps_the_error_feedback_as_the_single_program(mesh):
-    """Device 3's worker residual made infinite before the sync after step 6 (issued in step 7,
-    merged in step 9): the mean is not finite, so every device keeps its old residuals and
-    counts the skip, and the background run stays the single program's, bit for bit."""
+@pytest.mark.parametrize(
+    "compressor, field, value, bucket_bytes, kept",
+    [
+        (jc.Quantize(bits=4, error_feedback=True), "worker_error", np.inf, None, True),
+        (jc.OneBit(), "worker_error", np.inf, None, True),
+        (jc.OneBit(), "server_error", 3e38, None, False),
+        (jc.OneBit(), "server_error", 3e38, 16, True),
+    ],
+    ids=["int4-worker-inf", "onebit-worker-inf", "onebit-server-overflow", "onebit-2-buckets"],
+)
+def test_a_nonfinite_sync_keeps_the_error_feedback_as_the_single_program(
+    mesh, compressor, field, value, bucket_bytes, kept
+):
+    """Device 3's first residual element set to ``value`` before the sync after step 6 (issued
+    in step 7, merged in step 9). An infinite worker residual makes the mean not finite: every
+    device keeps its old residuals. A server residual of 3e38 overflows OneBit's server norm with
+    finite inputs: one bucket restarts its server residuals from zero, and with two buckets the
+    skipped sync keeps every bucket's. Each time every device counts the skip and the background
+    run stays the single program's, bit for bit."""
     batches = make_batches(12)
 
     def run(background):
-        tx = _tx(background, jc.Quantize(bits=4, error_feedback=True), 6, 1, 3)
+        tx = _tx(background, compressor, 6, 1, 3, bucket_bytes=bucket_bytes)
         step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
         for t, batch in enumerate(batches, start=1):
             if t == 7:
                 comm = state.opt_state.comm[0]
                 bucket = comm.buckets[0]
-                bucket = bucket._replace(worker_error=bucket.worker_error.at[3, 0].set(np.inf))
+                bucket = bucket._replace(**{field: getattr(bucket, field).at[3, 0].set(value)})
                 comms = (comm._replace(buckets=(bucket, *comm.buckets[1:])),)
                 state = state._replace(opt_state=state.opt_state._replace(comm=comms))
             state, _ = step(state, batch)
@@ -225,7 +242,11 @@ def test_a_nonfinite_sync_keeps_the_error_feedback_as_the_single_program(mesh):
     want, got = run(False), run(True)
     counts = np.asarray(got.opt_state.comm[0].nonfinite)
     np.testing.assert_array_equal(counts, np.full((8, 1), 1))  # the sync after step 6
-    assert np.isinf(np.asarray(got.opt_state.comm[0].buckets[0].worker_error)[3, 0])
+    residual = np.asarray(getattr(got.opt_state.comm[0].buckets[0], field))
+    if kept:
+        assert residual[3, 0] == np.float32(value)
+    else:
+        np.testing.assert_array_equal(residual, 0.0)
     for a, b in zip(_without_pending(got), _without_pending(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -1,0 +1,113 @@
+"""The 1-bit wire: signs packed 8 per byte, with fp32 scales, and the arithmetic of each stage.
+
+:class:`jaxcomm.OneBit` (one XLA program with its collectives) and DiLoCo's background sync
+(device programs around host exchanges) both build the compressed all-reduce from these, so
+the two give the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# Bit k of a packed byte (most significant first) holds element 8*i + k: DeepSpeed's order.
+_BIT_SHIFTS = np.arange(7, -1, -1, dtype=np.uint8)
+_BIT_MASKS = np.left_shift(1, _BIT_SHIFTS).astype(np.uint8)  # 128, 64, ..., 1
+
+
+def pack_signs(values: jax.Array) -> jax.Array:
+    """Pack ``values >= 0`` 8 per byte, most significant bit first. ``len(values) % 8 == 0``."""
+    return pack_sign_rows(values.reshape(-1, 8))
+
+
+def scaled_sign_rows(packed: jax.Array, scale: jax.Array | float) -> jax.Array:
+    """``scale * unpack_signs(packed)`` with the bits of byte ``m`` in row ``m``: ``(..., M)``
+    bytes -> ``(..., M, 8)`` fp32 (``scale`` broadcast against ``packed``'s shape).
+
+    A select of ``scale`` or ``-scale`` on a masked bit: XLA:CPU vectorises it over the 8
+    bits of a row (shifting the bits down and converting them to floats, ``(bit * 2 - 1) *
+    scale``, gives the same values, slower). Computed in this shape, a fusion reads each byte
+    once per row; a consumer in the flat shape indexes a byte per element instead.
+    """
+    set_ = (packed[..., None] & _BIT_MASKS) != 0
+    scale = jnp.asarray(scale, jnp.float32)[..., None]
+    return jnp.where(set_, scale, -scale)
+
+
+def scaled_signs(packed: jax.Array, scale: jax.Array | float) -> jax.Array:
+    """``scale * unpack_signs(packed)``: :func:`scaled_sign_rows`, the last two axes merged."""
+    out = scaled_sign_rows(packed, scale)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+
+
+def pack_sign_rows(rows: jax.Array) -> jax.Array:
+    """``rows >= 0`` packed one byte per ``(..., M, 8)`` row, most significant bit first."""
+    return jnp.sum((rows >= 0).astype(jnp.uint8) << _BIT_SHIFTS, axis=-1, dtype=jnp.uint8)
+
+
+def unpack_signs(packed: jax.Array) -> jax.Array:
+    """Inverse of :func:`pack_signs` as ``+1.0 / -1.0`` floats; the last axis grows 8x."""
+    return scaled_signs(packed, 1.0)
+
+
+def scale_bytes(scale: jax.Array) -> jax.Array:
+    """A fp32 scale as 4 bytes, sent with the packed signs (one collective, not two)."""
+    return lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint8)
+
+
+def signs_and_scales(received: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows of packed signs, each followed by its scale's 4 bytes (:func:`scale_bytes`): the
+    ``(n, M)`` signs and the ``n`` fp32 scales."""
+    return received[:, :-4], lax.bitcast_convert_type(received[:, -4:], jnp.float32)
+
+
+def sign(values: jax.Array) -> jax.Array:
+    # sgn(0) = +1, as DeepSpeed's packing does: the reconstruction must use the packed bit.
+    return jnp.where(values >= 0, 1.0, -1.0).astype(values.dtype)
+
+
+def weighted_sign_sum(packed: jax.Array, weights: jax.Array) -> jax.Array:
+    """``sum_j weights[j] * unpack(packed[j])`` for packed ``(n, M)`` -> ``(M, 8)`` fp32 rows.
+
+    For small ``n`` this unrolls into one elementwise fusion that reads each packed row once and
+    never materializes ``n`` unpacked float rows (the naive broadcast is slower on CPU).
+    """
+    n = packed.shape[0]
+    if n <= 16:
+        total = scaled_sign_rows(packed[0], weights[0])
+        for j in range(1, n):
+            total = total + scaled_sign_rows(packed[j], weights[j])
+        return total
+    return jnp.einsum("j,jmk->mk", weights, scaled_sign_rows(packed, 1.0))
+
+
+def l2_scale(values: jax.Array) -> jax.Array:
+    """``||values||_2 / sqrt(size)``: the scale whose signs keep the buffer's L2 norm."""
+    return jnp.sqrt(jnp.sum(jnp.square(values))) / math.sqrt(values.size)
+
+
+def residual(values: jax.Array, scale: jax.Array) -> jax.Array:
+    """What ``scale * sgn(values)`` leaves out: the new error feedback."""
+    return values - scale * sign(values)
+
+
+def worker_payload(buf: jax.Array, scale: jax.Array, axis_size: int) -> jax.Array:
+    """``(n, Np/(8n) + 4)`` bytes: row ``j`` is chunk ``j``'s packed signs, then the scale."""
+    packed = pack_signs(buf).reshape(axis_size, -1)
+    tail = jnp.broadcast_to(scale_bytes(scale), (axis_size, 4))
+    return jnp.concatenate([packed, tail], axis=1)
+
+
+def server_payload(rows: jax.Array, scale: jax.Array) -> jax.Array:
+    """The reduced chunk's ``(M, 8)`` rows as ``M + 4`` bytes: packed signs, then the scale."""
+    return jnp.concatenate([pack_sign_rows(rows), scale_bytes(scale)])
+
+
+def decode_mean(signs: jax.Array, scales: jax.Array, numel: int) -> jax.Array:
+    """The mean from every device's server chunk (``(n, M)`` signs, ``(n,)`` scales), cut to
+    ``numel``."""
+    return scaled_signs(signs, scales[:, None]).reshape(-1)[:numel]

@@ -73,11 +73,19 @@ def _parse(argv=None) -> argparse.Namespace:
         "train_step_1gbit.py (--transformer-batch sequences of 64 tokens a process)",
     )
     p.add_argument("--transformer-batch", type=int, default=4)
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin rank r to CPU core r (one core each: the processes do not compete for cores, "
+        "and XLA's pool has one thread)",
+    )
     p.add_argument("--trace", action="store_true", help="also time each step and sync stage")
     return p.parse_args(argv)
 
 
 def _worker(args: argparse.Namespace) -> None:
+    if args.pin:  # before JAX starts: XLA sizes its thread pool from the affinity
+        os.sched_setaffinity(0, {int(os.environ["RANK"]) % os.cpu_count()})
     import jax
     import numpy as np
     import optax
@@ -372,6 +380,7 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
         "fragments": args.F,
         "overlap_steps": ranks[0]["tau"],
         "mean_metrics": args.mean_metrics,
+        "pinned": args.pin,
         "outer_gradient": {"exact": "exact fp32", "1": "1-bit (jc.OneBit)"}.get(
             args.bits, f"int{args.bits} + EF"
         ),
@@ -390,7 +399,8 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
 
 def _table(summary: dict) -> str:
     lines = [
-        f"DiLoCo cycle, 2 processes, {summary['rate']}, H={summary['H']}, "
+        f"DiLoCo cycle, 2 processes{' (pinned)' if summary.get('pinned') else ''}, "
+        f"{summary['rate']}, H={summary['H']}, "
         f"F={summary['fragments']}, tau={summary['overlap_steps']}, "
         f"{summary['outer_gradient']}, median of {summary['repeats']}, slower rank",
         f"{'row':<12} {'cycle s':>9} {'x floor':>8} {'CPU s/rank':>11}",

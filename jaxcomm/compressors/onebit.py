@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
@@ -13,10 +12,10 @@ from jaxcomm._compat import all_gather_replicated, ensure_varying
 from jaxcomm.comm.buckets import round_up
 from jaxcomm.compressors._two_stage import TwoStageFeedback, TwoStageScatterState, TwoStageState
 from jaxcomm.compressors.signs import (
+    decode_leaves,
     decode_mean,
     l2_scale,
     residual,
-    scaled_sign_rows,
     server_payload,
     signs_and_scales,
     weighted_sign_sum,
@@ -230,26 +229,6 @@ class OneBit(TwoStageFeedback):
         """The mean of :meth:`_all_reduce`'s gathered chunks, cut to the bucket's ``numel``."""
         return decode_mean(signs, scales, numel)
 
-    @staticmethod
-    def _decode_leaves(signs: jax.Array, scales: jax.Array, shapes) -> list[jax.Array]:
-        """:meth:`_decode` straight into the leaves of ``shapes`` (the concatenated layout).
-
-        A leaf whose offset and size are multiples of 8 is its rows of 8 (one packed byte each,
-        see :func:`scaled_sign_rows`) reshaped: XLA computes it in that shape, vectorised. Any
-        other leaf is cut from the flat mean.
-        """
-        rows = scaled_sign_rows(signs, scales[:, None]).reshape(-1, 8)
-        leaves, offset = [], 0
-        for shape in shapes:
-            size = math.prod(shape)
-            if offset % 8 == 0 and size % 8 == 0:
-                piece = lax.slice_in_dim(rows, offset // 8, (offset + size) // 8)
-            else:
-                piece = lax.slice(rows.reshape(-1), (offset,), (offset + size,))
-            leaves.append(piece.reshape(shape))
-            offset += size
-        return leaves
-
     def all_reduce(self, flat, state: OneBitState, *, axis_name, axis_size):
         sizes = (flat.shape[0],)
         signs, scales, state, _ = self._all_reduce(flat, state, sizes, axis_name, axis_size, False)
@@ -284,7 +263,7 @@ class OneBit(TwoStageFeedback):
         )
 
         def decode(signs, scales, fallback):
-            return self._decode_leaves(signs, scales, bucket.shapes)
+            return decode_leaves(signs, scales, bucket.shapes)
 
         def keep(signs, scales, fallback):
             return list(fallback)

@@ -111,3 +111,23 @@ def decode_mean(signs: jax.Array, scales: jax.Array, numel: int) -> jax.Array:
     """The mean from every device's server chunk (``(n, M)`` signs, ``(n,)`` scales), cut to
     ``numel``."""
     return scaled_signs(signs, scales[:, None]).reshape(-1)[:numel]
+
+
+def decode_leaves(signs: jax.Array, scales: jax.Array, shapes) -> list[jax.Array]:
+    """:func:`decode_mean` straight into leaves of ``shapes`` (concatenated in that order).
+
+    A leaf whose offset and size are multiples of 8 is its rows of 8 (one packed byte each,
+    see :func:`scaled_sign_rows`) reshaped: XLA computes it in that shape, vectorised, with no
+    flat mean in between. Any other leaf is cut from the flat mean.
+    """
+    rows = scaled_sign_rows(signs, scales[:, None]).reshape(-1, 8)
+    leaves, offset = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        if offset % 8 == 0 and size % 8 == 0:
+            piece = lax.slice_in_dim(rows, offset // 8, (offset + size) // 8)
+        else:
+            piece = lax.slice(rows.reshape(-1), (offset,), (offset + size,))
+        leaves.append(piece.reshape(shape))
+        offset += size
+    return leaves

@@ -28,9 +28,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomm.comm.buckets import flatten_bucket, unflatten_bucket
+from jaxcomm.comm.buckets import flatten_bucket
 from jaxcomm.compressors.signs import (
-    decode_mean,
+    decode_leaves,
     l2_scale,
     residual,
     server_payload,
@@ -77,10 +77,11 @@ def finish(buckets, gathered, proposals, kept):
     for k, bucket in enumerate(buckets):
         signs, scales = signs_and_scales(gathered[k][0])
         ok = jnp.all(jnp.isfinite(scales))
-        mean = lax.cond(
+        # Decoded straight into the leaves (no flat mean to cut them from): NaN when not ok.
+        leaves = lax.cond(
             ok,
-            lambda s, c, numel=bucket.numel: decode_mean(s, c, numel),
-            lambda s, c, numel=bucket.numel: jnp.full((numel,), jnp.nan, jnp.float32),
+            lambda s, c, shapes=bucket.shapes: decode_leaves(s, c, shapes),
+            lambda s, c, shapes=bucket.shapes: [jnp.full(x, jnp.nan, jnp.float32) for x in shapes],
             signs,
             scales,
         )
@@ -88,7 +89,7 @@ def finish(buckets, gathered, proposals, kept):
         servers.append(jnp.where(ok, proposal, jnp.where(finite, 0.0, kept[0][k])))
         keep_workers.append(~finite)
         any_bad = any_bad | ~ok
-        for i, leaf in zip(bucket.leaf_ids, unflatten_bucket(mean, bucket), strict=True):
-            out[i] = leaf
+        for i, leaf, dtype in zip(bucket.leaf_ids, leaves, bucket.dtypes, strict=True):
+            out[i] = leaf.astype(dtype)
     keep_old = any_bad if len(buckets) > 1 else keep_workers[0]
     return out, (keep_old, kept[1] + any_bad.astype(jnp.int32), servers)

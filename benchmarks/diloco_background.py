@@ -13,9 +13,12 @@ full cycle of ``H`` steps (every fragment's sync issued and merged inside it):
   (the single-program ``overlap_steps=tau``; the default path);
 * ``background``: ``background=True``, the same algorithm with the reduction on a host thread.
 
-``tau`` defaults to ``H // F - 1``, the largest the schedule allows. Rounds alternate the rows;
-the table gives each row's median cycle over ``--repeats`` rounds, slower rank, and the ratios
-to the floor. The JSON (``--json``) records the command, versions, machine and date, and
+``tau`` defaults to ``H // F - 1``, the largest the schedule allows. Each row first runs
+``--warmup`` untimed cycles: on XLA:CPU the first few syncs grow the host heap to its peak, each
+new page a fault (about 20 us a fault on the 2-core VM of the committed results: 0.5-1.6 s
+spikes in the first five cycles, rare after), which a long run pays once. ``--pin`` puts rank
+``r`` on core ``r``. Rounds alternate the rows; the table gives each row's median cycle over
+``--repeats`` rounds, slower rank, and the ratios to the floor. The JSON (``--json``) records the command, versions, machine and date, and
 ``background_wire``: the bytes each process sent per cycle in the background sync and the
 link time they need at least. The shaped loopback passes both processes' bytes through one
 token bucket, so that time is both processes' bytes over the rate: twice what a full-duplex
@@ -73,6 +76,13 @@ def _parse(argv=None) -> argparse.Namespace:
         "train_step_1gbit.py (--transformer-batch sequences of 64 tokens a process)",
     )
     p.add_argument("--transformer-batch", type=int, default=4)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=6,
+        help="untimed cycles per row first (6, at least 2): on XLA:CPU the first syncs grow the "
+        "host heap (page faults); a long run pays that once",
+    )
     p.add_argument(
         "--pin",
         action="store_true",
@@ -154,6 +164,10 @@ def _worker(args: argparse.Namespace) -> None:
         runs[name] = builders[name]()
         jax.block_until_ready(runs[name](2 * H))  # every phase compiled, at a cycle boundary
         compile_s[name] = time.perf_counter() - t0
+    for name in names:
+        # Until the host heap has grown to its peak: XLA:CPU's first syncs allocate fresh pages.
+        for _ in range(args.warmup - 2):
+            jax.block_until_ready(runs[name](H))
     times = {name: [] for name in names}
     cpu = {name: [] for name in names}  # this process's CPU seconds (all threads) per cycle
     threads: dict = {name: [] for name in names}  # the same by thread
@@ -381,6 +395,7 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
         "overlap_steps": ranks[0]["tau"],
         "mean_metrics": args.mean_metrics,
         "pinned": args.pin,
+        "warmup_cycles": args.warmup,
         "outer_gradient": {"exact": "exact fp32", "1": "1-bit (jc.OneBit)"}.get(
             args.bits, f"int{args.bits} + EF"
         ),

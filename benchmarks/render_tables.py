@@ -385,7 +385,37 @@ def _bits_per_s(rate: str) -> float:
     return float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]] if m else 0.0
 
 
+def is_diloco_background(name, doc):
+    return name.startswith("diloco_background_") and "cycle_s" in doc
+
+
+def diloco_background_table(results: dict[str, dict]) -> str:
+    """A DiLoCo cycle of H steps with the outer sync in the background and in the step, over H
+    inner steps alone, from every ``diloco_background_*.json``."""
+    rows = []
+    for name, doc in results.items():
+        if not is_diloco_background(name, doc):
+            continue
+        ratios, wire = doc.get("ratios", {}), doc.get("background_wire") or {}
+        model = "transformer" if doc.get("model", "").startswith("transformer") else "MLP"
+        link = wire.get("link_over_floor")
+        rows.append([
+            model, doc.get("outer_gradient", MISSING), doc.get("rate", MISSING),
+            str(doc.get("H", MISSING)), str(doc.get("fragments", MISSING)),
+            "yes" if doc.get("pinned") else "no", str(doc.get("warmup_cycles", 2)),
+            f"{ratios['background_over_floor']:.2f}x" if "background_over_floor" in ratios else "",
+            f"{ratios['blocking_over_floor']:.2f}x" if "blocking_over_floor" in ratios else "",
+            f"{link:.2f}x" if link is not None else "", f"`{name}`",
+        ])
+    if not rows:
+        return "No results file of `benchmarks/diloco_background.py` yet.\n"
+    header = ["model", "outer gradient", "rate", "H", "F", "pinned", "warm-up cycles",
+              "background", "blocking", "link time alone", "file"]
+    return table(header, rows)
+
+
 RENDERERS = {
+    "diloco-background": diloco_background_table,
     "choose": choose,
     "pick": pick_table,
     "time-to-loss": time_to_loss_table,

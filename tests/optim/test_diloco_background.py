@@ -92,10 +92,13 @@ def test_exact_background_matches_numpy(mesh, H, F, tau):
     check_against(state, theta, xs)
 
 
-def test_checkpoint_mid_flight_resumes_bit_for_bit(mesh, tmp_path):
+@pytest.mark.parametrize(
+    "compressor", [jc.Quantize(bits=8, error_feedback=True), jc.OneBit()], ids=["int8", "onebit"]
+)
+def test_checkpoint_mid_flight_resumes_bit_for_bit(mesh, tmp_path, compressor):
     # H=8, F=2, tau=3: fragment 0 syncs after step 4, is issued in step 5 and merged in step
     # 7: states after steps 5 and 6 are mid-flight (pending holds the pseudo-gradients).
-    tx = _tx(True, jc.Quantize(bits=8, error_feedback=True), 8, 2, 3)
+    tx = _tx(True, compressor, 8, 2, 3)
     batches = make_batches(12)
     step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
     checkpointer = ocp.StandardCheckpointer()

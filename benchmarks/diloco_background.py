@@ -18,12 +18,13 @@ full cycle of ``H`` steps (every fragment's sync issued and merged inside it):
 new page a fault (about 20 us a fault on the 2-core VM of the committed results: 0.5-1.6 s
 spikes in the first five cycles, rare after), which a long run pays once. ``--pin`` puts rank
 ``r`` on core ``r``. Rounds alternate the rows; the table gives each row's median cycle over
-``--repeats`` rounds, slower rank, and the ratios to the floor. The JSON (``--json``) records the command, versions, machine and date, and
-``background_wire``: the bytes each process sent per cycle in the background sync and the
-link time they need at least. The shaped loopback passes both processes' bytes through one
-token bucket, so that time is both processes' bytes over the rate: twice what a full-duplex
-link of the same rate needs for this symmetric traffic (``--rate 200mbit`` stands in for
-100 Mbit/s each way). A background cycle cannot be shorter than its link time.
+``--repeats`` rounds, slower rank, and the ratios to the floor. The JSON (``--json``) records
+the command, versions, machine and date, and ``background_wire``: the bytes each process sent
+per cycle in the background sync and the link time they need at least. The shaped loopback
+passes both processes' bytes through one token bucket, so that time is both processes' bytes
+over the rate: twice what a full-duplex link of the same rate needs for this symmetric traffic
+(``--rate 200mbit`` stands in for 100 Mbit/s each way). A background cycle cannot be shorter
+than its link time.
 
 Usage (root for ``unshare``/``tc``)::
 

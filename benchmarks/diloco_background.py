@@ -100,7 +100,7 @@ def _worker(args: argparse.Namespace) -> None:
     import jax
     import numpy as np
     import optax
-    from _two_ranks import finish_worker, start_as_user
+    from _two_ranks import finish_worker, mlp, start_as_user
     from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -117,7 +117,7 @@ def _worker(args: argparse.Namespace) -> None:
             argparse.Namespace(batch=args.transformer_batch), rank
         )
     else:
-        params, loss_fn, batch = _mlp(rank)
+        params, loss_fn, batch = mlp(WIDTH, LAYERS, BATCH, rank, linear_last=True)
     if args.bits == "exact":
         compressor = None
     elif args.bits == "1":
@@ -201,35 +201,6 @@ def _worker(args: argparse.Namespace) -> None:
         "trace": trace,
     }
     finish_worker(args, rank, result)
-
-
-def _mlp(rank: int):
-    """The 64 MiB MLP: ``LAYERS`` tanh layers of ``WIDTH`` x ``WIDTH``, ``BATCH`` examples."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    init = np.random.default_rng(0)
-    params = {
-        f"l{i}": {
-            "w": jnp.asarray(init.standard_normal((WIDTH, WIDTH), np.float32) / np.sqrt(WIDTH)),
-            "b": jnp.zeros(WIDTH),
-        }
-        for i in range(LAYERS)
-    }
-
-    def loss_fn(p, batch):
-        x, y = batch
-        for i in range(LAYERS):
-            x = x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
-            x = jnp.tanh(x) if i < LAYERS - 1 else x
-        return jnp.mean((x - y) ** 2)
-
-    data = np.random.default_rng(1 + rank)
-    batch = (
-        data.standard_normal((BATCH, WIDTH), np.float32),
-        data.standard_normal((BATCH, WIDTH), np.float32),
-    )
-    return params, loss_fn, batch
 
 
 def _thread_cpu(sync_thread: int | None) -> dict[str, float]:

@@ -16,6 +16,7 @@ from jaxcomm.compressors.signs import (
     decode_mean,
     l2_scale,
     residual,
+    server_chunk,
     server_payload,
     signs_and_scales,
     weighted_sign_sum,
@@ -191,9 +192,9 @@ class OneBit(TwoStageFeedback):
         """Stages 1-4 up to the gathered server signs: ``(signs, scales, state, finite)``.
 
         ``signs`` ``(n, M)`` and ``scales`` ``(n,)`` are every device's server chunk (the mean is
-        ``concat_r scales[r] * unpack(signs[r])``, see :meth:`_decode`). With ``guard``, ``finite``
-        says whether all of it is finite, replicated (decided from the gathered scales), and the
-        state is the old one where not.
+        ``concat_r scales[r] * unpack(signs[r])``, see :func:`decode_mean`). With ``guard``,
+        ``finite`` says whether all of it is finite, replicated (decided from the gathered
+        scales), and the state is the old one where not.
         """
         buf = _plus_error(flat, state.worker_error, sizes, axis_name)
         compensated, worker_error, finite = self._exchange(
@@ -204,12 +205,7 @@ class OneBit(TwoStageFeedback):
         # scale was not finite. The new e_s is written in e_s's own shape, so that XLA writes it
         # over the (donated) e_s in place.
         old_rows = state.server_error.reshape(compensated.shape)
-        c = old_rows + compensated
-        if guard:
-            c = jnp.where(finite, c, old_rows)
-        scale = l2_scale(c.reshape(-1))
-        if guard:  # a non-finite input makes the output non-finite (NaN scales), as unguarded
-            scale = jnp.where(finite, scale, jnp.nan)
+        c, scale = server_chunk(old_rows, compensated, finite if guard else None)
         gathered = _all_gather_row(server_payload(c, scale), axis_name)
         signs, scales = signs_and_scales(gathered)
         server_error = residual(c, scale)
@@ -224,20 +220,15 @@ class OneBit(TwoStageFeedback):
         server_error = server_error.reshape(state.server_error.shape)
         return signs, scales, OneBitState(worker_error, server_error), finite
 
-    @staticmethod
-    def _decode(signs: jax.Array, scales: jax.Array, numel: int) -> jax.Array:
-        """The mean of :meth:`_all_reduce`'s gathered chunks, cut to the bucket's ``numel``."""
-        return decode_mean(signs, scales, numel)
-
     def all_reduce(self, flat, state: OneBitState, *, axis_name, axis_size):
         sizes = (flat.shape[0],)
         signs, scales, state, _ = self._all_reduce(flat, state, sizes, axis_name, axis_size, False)
-        return self._decode(signs, scales, flat.shape[0]), state
+        return decode_mean(signs, scales, flat.shape[0]), state
 
     def all_reduce_bucket(self, flat, state, bucket, *, axis_name, axis_size):
         sizes = bucket.sizes
         signs, scales, state, _ = self._all_reduce(flat, state, sizes, axis_name, axis_size, False)
-        return self._decode(signs, scales, flat.shape[0]), state
+        return decode_mean(signs, scales, flat.shape[0]), state
 
     # Guarded: the mean is decoded by a conditional into a buffer of its own, so that no
     # consumer in a leaf's shape decodes a packed byte per element, unvectorised. Not finite
@@ -252,7 +243,7 @@ class OneBit(TwoStageFeedback):
         def nan_mean(signs, scales):
             return jnp.full((numel,), jnp.nan, scales.dtype)
 
-        decode = lambda signs, scales: self._decode(signs, scales, numel)  # noqa: E731
+        decode = lambda signs, scales: decode_mean(signs, scales, numel)  # noqa: E731
         return lax.cond(finite, decode, nan_mean, signs, scales), state, finite
 
     def guarded_all_reduce_leaves(self, flat, state, bucket, fallback, *, axis_name, axis_size):

@@ -102,6 +102,19 @@ def worker_payload(buf: jax.Array, scale: jax.Array, axis_size: int) -> jax.Arra
     return jnp.concatenate([packed, tail], axis=1)
 
 
+def server_chunk(old_rows: jax.Array, compensated: jax.Array, finite: jax.Array | None = None):
+    """The server stage's reduced chunk and its scale: ``c = e_s + compensated`` (the weighted
+    worker signs) in ``(M, 8)`` rows. With ``finite`` (were all worker scales finite?) false,
+    ``c`` is ``e_s`` itself and the scale NaN: a non-finite input leaves a non-finite output."""
+    c = old_rows + compensated
+    if finite is not None:
+        c = jnp.where(finite, c, old_rows)
+    scale = l2_scale(c.reshape(-1))
+    if finite is not None:
+        scale = jnp.where(finite, scale, jnp.nan)
+    return c, scale
+
+
 def server_payload(rows: jax.Array, scale: jax.Array) -> jax.Array:
     """The reduced chunk's ``(M, 8)`` rows as ``M + 4`` bytes: packed signs, then the scale."""
     return jnp.concatenate([pack_sign_rows(rows), scale_bytes(scale)])

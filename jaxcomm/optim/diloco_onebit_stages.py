@@ -33,6 +33,7 @@ from jaxcomm.compressors.signs import (
     decode_leaves,
     l2_scale,
     residual,
+    server_chunk,
     server_payload,
     signs_and_scales,
     weighted_sign_sum,
@@ -61,8 +62,7 @@ def server(buckets, received, kept, n: int):
         signs, scales = signs_and_scales(received[k][0])
         finite = jnp.all(jnp.isfinite(scales))
         old_rows = kept[0][k].reshape(signs.shape[1], 8)
-        c = jnp.where(finite, old_rows + weighted_sign_sum(signs, scales / n), old_rows)
-        scale = jnp.where(finite, l2_scale(c.reshape(-1)), jnp.nan)
+        c, scale = server_chunk(old_rows, weighted_sign_sum(signs, scales / n), finite)
         wires.append((server_payload(c, scale),))
         proposals.append((residual(c, scale).reshape(-1), finite))
     return wires, proposals
@@ -73,7 +73,7 @@ def finish(buckets, gathered, proposals, kept):
     server residuals))``: ``keep_old`` says whether this device keeps its old worker and server
     residuals, ``count`` is the non-finite count after the sync."""
     out: list = [None] * sum(len(b.leaf_ids) for b in buckets)
-    any_bad, keep_workers, servers = jnp.bool_(False), [], []
+    any_bad, servers = jnp.bool_(False), []
     for k, bucket in enumerate(buckets):
         signs, scales = signs_and_scales(gathered[k][0])
         ok = jnp.all(jnp.isfinite(scales))
@@ -87,9 +87,10 @@ def finish(buckets, gathered, proposals, kept):
         )
         proposal, finite = proposals[k]
         servers.append(jnp.where(ok, proposal, jnp.where(finite, 0.0, kept[0][k])))
-        keep_workers.append(~finite)
         any_bad = any_bad | ~ok
         for i, leaf, dtype in zip(bucket.leaf_ids, leaves, bucket.dtypes, strict=True):
             out[i] = leaf.astype(dtype)
-    keep_old = any_bad if len(buckets) > 1 else keep_workers[0]
+    # One bucket: OneBit's guard keeps the residuals when a worker scale was not finite; more:
+    # DiLoCo's skipped sync keeps every bucket's when any mean was not finite.
+    keep_old = any_bad if len(buckets) > 1 else ~proposals[0][1]
     return out, (keep_old, kept[1] + any_bad.astype(jnp.int32), servers)

@@ -218,11 +218,18 @@ class Compressor(abc.ABC):
 
 
 def probes_finite(probes) -> jax.Array:
-    """True iff every element of every array in ``probes`` is finite (bool scalar)."""
-    finite = jnp.bool_(True)
+    """True iff every element of every array in ``probes`` is finite (bool scalar).
+
+    Decided as ``isfinite(sum(x * 0))``: ``x * 0`` is 0 for a finite ``x`` and NaN for an Inf
+    or a NaN, so the sum is exactly 0 or NaN (no false alarm, unlike ``sum(x)``), and a float
+    sum is the cheapest full reduction XLA:CPU has (a boolean ``all(isfinite(x))`` writes a mask
+    and, over a reshaped ``(1, N)`` block, reduced it 4x slower than this).
+    """
+    total = jnp.zeros([], jnp.float32)
     for x in probes:
-        finite = finite & jnp.all(jnp.isfinite(x))
-    return finite
+        if jnp.size(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            total = total + jnp.sum(x * 0, dtype=jnp.float32)
+    return jnp.isfinite(total)
 
 
 def mean_or_fallback(

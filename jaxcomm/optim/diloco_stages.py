@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jaxcomm.comm.buckets import Bucket, ceil_div, flatten_bucket, unflatten_bucket
 from jaxcomm.comm.state import ReduceState, plan_tree
 from jaxcomm.compressors import Compressor, NoCompression, OneBit
+from jaxcomm.compressors._base import probes_finite
 from jaxcomm.compressors._two_stage import ReduceInFp32
 from jaxcomm.optim import diloco_onebit_stages as onebit
 
@@ -150,8 +151,7 @@ def finish(compressor, p: Plan, gathered, workers, servers, kept, n: int):
         if isinstance(compressor, NoCompression):
             mean = mean / n
         if p.guarded:
-            for x in (mean, workers[k], servers[k]):
-                bad = bad | ~jnp.all(jnp.isfinite(x))
+            bad = bad | ~probes_finite((mean, workers[k], servers[k]))
         for i, leaf in zip(bucket.leaf_ids, unflatten_bucket(mean, bucket), strict=True):
             out[i] = leaf
     if not p.guarded:

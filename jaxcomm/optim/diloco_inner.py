@@ -47,11 +47,20 @@ def make_inner_step(inner: optax.GradientTransformation, axis_name: str) -> Call
 
         def skip(updates, inner_state, params):
             shapes = jax.eval_shape(take, updates, inner_state, params)[0]
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            return varying((zeros, inner_state), axis_name)
+            like = jax.tree.map(
+                lambda u, s: (u.shape, u.dtype) == (s.shape, s.dtype), updates, shapes
+            )
+            # The gradient itself stands in for the zeros where it can (masked below): zeros
+            # made here are a constant that XLA hoists out of the conditional and copies into
+            # its operands on every step, a write of every leaf.
+            stand_in = jax.tree.map(
+                lambda u, s, same: u if same else jnp.zeros(s.shape, s.dtype), updates, shapes, like
+            )
+            return varying((stand_in, inner_state), axis_name)
 
         ok = all_finite(updates)
         new_updates, new_state = lax.cond(ok, take, skip, updates, inner_state, params)
+        new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
         return ok, new_updates, new_state
 
     return inner_step

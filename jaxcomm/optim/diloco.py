@@ -37,9 +37,10 @@ waits in the state (``inflight``, checkpointable) and is merged at the end of st
 ``t_s + tau``. In one program the reduction holds the device until the wire is done (an XLA
 runtime runs one program at a time per device, and a collective cannot outlive its program);
 ``background=True`` (``tau >= 2``, through ``jc.make_train_step``) takes it out of the step
-programs: the step of ``t_s + 1`` only stores the pseudo-gradients, and a host thread runs the
-compressed mean (device programs around host-network exchanges) while the next inner steps
-compute, merged at ``t_s + tau`` with the same result (:mod:`jaxcomm.optim.diloco_background`).
+programs: before step ``t_s + 1`` a device program of its own computes the pseudo-gradients
+from that step's input state, and a host thread runs the compressed mean (device programs
+around host-network exchanges) while the inner steps compute, merged at ``t_s + tau`` with the
+same result (:mod:`jaxcomm.optim.diloco_background`).
 
 Parameters are **per device** (like :func:`jaxcomm.zero_one_adam`): :mod:`jaxcomm.train.layout`
 stacks them ``(n, ...)`` with ``P(axis)`` because a :class:`DiLoCoState` is registered as
@@ -264,7 +265,6 @@ def diloco(
         theta = list(jax.tree.leaves(state.outer_params))
         t = state.count + 1
         outers, inflights, comms = list(state.outer), list(state.inflight), list(state.comm)
-        pendings = list(state.local.pending)
         counts = (state.skipped, state.consecutive)
         # Leaves that no outer step can change this step (known at trace time in a
         # phase-specialised inner step): their update is the inner update itself.
@@ -289,25 +289,12 @@ def diloco(
                     synced, sync, keep, th, x, outers[f], comms[f], counts
                 )
             else:
-                prev = [before[i] for i in ids]
-                issued = periodic(t, H, offsets[f], 1)
-                if background:  # store the pseudo-gradients; the host thread reduces them
-
-                    def store(th, prev, pending):
-                        return [
-                            (a - b).reshape(jnp.shape(p))
-                            for a, b, p in zip(th, prev, pending, strict=True)
-                        ]
-
-                    pendings[f] = phase_cond(
-                        phase(issued[0], steady=issued[1]),
-                        store,
-                        lambda th, prev, pending: pending,
-                        th,
-                        prev,
-                        pendings[f],
-                    )
-                else:
+                # With background=True, the host side (diloco_background) computes this
+                # fragment's pseudo-gradients into the state's pending slot from the input
+                # state of step t_s + 1 and reduces them meanwhile: the steps pass them on.
+                if not background:
+                    prev = [before[i] for i in ids]
+                    issued = periodic(t, H, offsets[f], 1)
 
                     def issue(th, prev, pending, comm):
                         delta = [a - b for a, b in zip(th, prev, strict=True)]
@@ -357,7 +344,7 @@ def diloco(
             skipped=counts[0],
             consecutive=counts[1],
             devices=state.devices,
-            local=DiLoCoLocal(inner_state, inner_nonfinite, in_a_row, tuple(pendings)),
+            local=DiLoCoLocal(inner_state, inner_nonfinite, in_a_row, state.local.pending),
             comm=tuple(comms),
         )
         if max_consecutive_skips is not None:

@@ -3,13 +3,13 @@
 Why a host side. An XLA runtime (CPU, GPU, TPU) runs one program at a time per device, in the
 order they were dispatched, and a collective lives and dies inside its program: a sync's
 all-reduce, however early it is issued, holds the device until the wire is done. So with
-``background=True`` no step program communicates for the outer gradient. The step that issues a
-fragment's sync (``t_s + 1``) only stores each device's pseudo-gradient ``theta_f - x_f`` in the
-state (``local.pending``); then :class:`BackgroundSync`, which ``jc.make_train_step`` attaches to
-the step it returns, runs the sync while the next inner steps compute:
+``background=True`` no step program communicates for the outer gradient: :class:`BackgroundSync`,
+which ``jc.make_train_step`` attaches to the step it returns, runs each sync beside the steps:
 
-1. it dispatches the compressor's worker stage (a device program without collectives, a few
-   milliseconds), and a host thread moves its wire between the processes over TCP
+1. before step ``t_s + 1`` it dispatches one device program without collectives that computes
+   each device's pseudo-gradient ``theta_f - x_f`` from that step's input state into the state's
+   ``local.pending`` slot (the steps pass it on) and runs the compressor's worker stage on it;
+   a host thread moves the worker stage's wire between the processes over TCP
    (:mod:`jaxcomm.optim.diloco_exchange`; the devices of one process exchange in memory);
 2. the thread dispatches the server stage, moves its wire again, and dispatches the decoding
    (:mod:`jaxcomm.optim.diloco_stages`);
@@ -40,6 +40,7 @@ import weakref
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -54,7 +55,7 @@ from jaxcomm.optim.diloco_exchange import (
     all_to_all,
     bound_exit,
 )
-from jaxcomm.optim.diloco_state import DiLoCoState, fragment_offsets
+from jaxcomm.optim.diloco_state import DiLoCoState, fragment_leaves, fragment_offsets
 
 PyTree = Any
 
@@ -191,6 +192,13 @@ class _Fragment:
             wires, residuals = stages.worker(comp, p, local(pending), local(comm), n)
             return block(wires), block(residuals), block(stages.kept(p, local(comm)))
 
+        def issue(theta, params, comm):
+            # theta_f - x_f, as the single-program step takes it (fp32), then the worker stage.
+            pending = [
+                a - jnp.asarray(x, jnp.float32) for a, x in zip(theta, local(params), strict=True)
+            ]
+            return (block(pending), *worker(block(pending), comm))
+
         def server(received, kept):
             return block(stages.server(comp, p, local(received), local(kept), n))
 
@@ -205,6 +213,7 @@ class _Fragment:
             return jax.jit(mapped)
 
         self.worker = program(worker, (per, per), (per, per, per))
+        self.issue = program(issue, (rep, per, per), (per, per, per, per))
         self.server = program(server, (per, per), (per, per))
         self.finish = program(finish, (rep, per, per, per), (rep, per))
 
@@ -271,26 +280,50 @@ class BackgroundSync:
             if t_i - 1 + self.spec.overlap_steps == t:
                 del self._inflight[f]
                 state = self._merge(state, f, t_i, future)
+        for f, offset in enumerate(self.offsets):
+            if issues(t, offset, self.spec.sync_every):
+                state = self._issue_new(state, f, t)
         return state
 
     def after(self, state) -> None:
-        t = self._count + 1
-        for f, offset in enumerate(self.offsets):
-            if issues(t, offset, self.spec.sync_every):
-                self._issue(state, f, t)
-        self._count, self._last = t, state
+        self._count, self._last = self._count + 1, state
 
     # -- one sync -----------------------------------------------------------------------------
 
-    def _issue(self, state, f: int, t_i: int) -> None:
-        diloco = _find(state.opt_state)
-        pending, comm = diloco.local.pending[f], diloco.comm[f]
+    def _fragment(self, f: int, pending) -> _Fragment:
         if f not in self._programs:
             shapes = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in pending]
             self._programs[f] = _Fragment(self.spec, self.mesh, shapes, self.n)
-        programs = self._programs[f]
+        return self._programs[f]
+
+    def _issue_new(self, state, f: int, t_i: int):
+        """Step ``t_i = t_s + 1`` is next: compute fragment ``f``'s pseudo-gradients from its
+        input state into the state's pending slot, start their reduction, and return the
+        state with them (the step passes them on: a checkpoint holds them)."""
+        diloco = _find(state.opt_state)
+        ids = fragment_leaves(len(jax.tree.leaves(state.params)), self.spec.fragments)[f]
+        theta, params = jax.tree.leaves(diloco.outer_params), jax.tree.leaves(state.params)
+        programs = self._fragment(f, diloco.local.pending[f])
+        # Dispatched now, before the step donates the state it reads.
+        pending, wires, workers, kept = programs.issue(
+            [theta[i] for i in ids], [params[i] for i in ids], diloco.comm[f]
+        )
+        self._submit(programs, f, t_i, wires, workers, kept)
+        pendings = list(diloco.local.pending)
+        pendings[f] = list(pending)
+        local = diloco.local._replace(pending=tuple(pendings))
+        return state._replace(opt_state=_replace_diloco(state.opt_state, local=local))
+
+    def _issue(self, state, f: int, t_i: int) -> None:
+        """Resume the sync issued at step ``t_i`` from the pending slot of ``state``."""
+        diloco = _find(state.opt_state)
+        pending, comm = diloco.local.pending[f], diloco.comm[f]
+        programs = self._fragment(f, pending)
         # Dispatched now, before the next step can donate the state it reads.
         wires, workers, kept = programs.worker(pending, comm)
+        self._submit(programs, f, t_i, wires, workers, kept)
+
+    def _submit(self, programs: _Fragment, f: int, t_i: int, wires, workers, kept) -> None:
         future = self._runner.submit(self._exchange, programs, wires, workers, kept)
         self._inflight[f] = (t_i, future)
 

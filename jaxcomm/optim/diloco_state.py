@@ -35,8 +35,8 @@ class DiLoCoLocal(NamedTuple):
       consecutive: int32 scalar: of those, how many in a row up to now (0 after a step that
         was taken); ``max_consecutive_skips`` bounds it.
       pending: with ``background=True``, per fragment, this device's pseudo-gradient
-        ``theta_f - x_f`` of its latest sync (fp32 leaves), which the host thread reduces;
-        ``()`` otherwise.
+        ``theta_f - x_f`` of its latest sync (fp32 leaves), which the host side computes
+        before step ``t_s + 1`` and reduces while the steps pass it on; ``()`` otherwise.
     """
 
     inner: PyTree

@@ -220,15 +220,16 @@ class Compressor(abc.ABC):
 def probes_finite(probes) -> jax.Array:
     """True iff every element of every array in ``probes`` is finite (bool scalar).
 
-    Decided as ``isfinite(sum(x * 0))``: ``x * 0`` is 0 for a finite ``x`` and NaN for an Inf
-    or a NaN, so the sum is exactly 0 or NaN (no false alarm, unlike ``sum(x)``), and a float
-    sum is the cheapest full reduction XLA:CPU has (a boolean ``all(isfinite(x))`` writes a mask
-    and, over a reshaped ``(1, N)`` block, reduced it 4x slower than this).
+    Decided as ``isfinite(sum(x - x))``: ``x - x`` is 0 for a finite ``x`` and NaN for an Inf
+    or a NaN, so the sum is exactly 0 or NaN (no false alarm, unlike ``sum(x)``), one fused
+    float reduction. On XLA:CPU a boolean ``all(isfinite(x))`` writes a mask and reduces it in
+    a tree (about 8x slower over a ``(1, N)`` block), and ``x * 0`` can make XLA write a buffer
+    of zeros first.
     """
     total = jnp.zeros([], jnp.float32)
     for x in probes:
         if jnp.size(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-            total = total + jnp.sum(x * 0, dtype=jnp.float32)
+            total = total + jnp.sum(x - x, dtype=jnp.float32)
     return jnp.isfinite(total)
 
 

@@ -274,7 +274,7 @@ def _trace(run, H: int) -> dict:
 
     sync = run.background
     for programs in sync._programs.values():
-        for name in ("worker", "server", "finish"):
+        for name in ("issue", "worker", "server", "finish"):
             setattr(programs, name, timed(name, getattr(programs, name), block=True))
     # Instance attributes shadow the methods; module attributes are restored below.
     sync._exchange_once = timed("thread_total", sync._exchange_once)

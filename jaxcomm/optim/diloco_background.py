@@ -40,14 +40,12 @@ import weakref
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.comm.state import ReduceState
 from jaxcomm.compressors import Compressor, TwoStageState
-from jaxcomm.optim import diloco_stages as stages
 from jaxcomm.optim.diloco_exchange import (
     HostLinks,
     SyncError,
@@ -55,6 +53,7 @@ from jaxcomm.optim.diloco_exchange import (
     all_to_all,
     bound_exit,
 )
+from jaxcomm.optim.diloco_programs import FragmentPrograms
 from jaxcomm.optim.diloco_state import DiLoCoState, fragment_leaves, fragment_offsets
 
 PyTree = Any
@@ -174,50 +173,6 @@ class _Runner:
         self._queue.put(None)
 
 
-class _Fragment:
-    """The three stage programs of one fragment (compiled on first use)."""
-
-    def __init__(self, spec: BackgroundSpec, mesh, leaves, n: int) -> None:
-        comp, axis = spec.compressor, spec.axis_name
-        self.plan = p = stages.plan(comp, leaves, spec.bucket_bytes, n)
-        per, rep = P(axis), P()
-
-        def local(tree):
-            return jax.tree.map(lambda x: x[0], tree)
-
-        def block(tree):
-            return jax.tree.map(lambda x: x[None], tree)
-
-        def worker(pending, comm):
-            wires, residuals = stages.worker(comp, p, local(pending), local(comm), n)
-            return block(wires), block(residuals), block(stages.kept(p, local(comm)))
-
-        def issue(theta, params, comm):
-            # theta_f - x_f, as the single-program step takes it (fp32), then the worker stage.
-            pending = [
-                a - jnp.asarray(x, jnp.float32) for a, x in zip(theta, local(params), strict=True)
-            ]
-            return (block(pending), *worker(block(pending), comm))
-
-        def server(received, kept):
-            return block(stages.server(comp, p, local(received), local(kept), n))
-
-        def finish(gathered, workers, servers, kept):
-            mean, flags = stages.finish(
-                comp, p, gathered, local(workers), local(servers), local(kept), n
-            )
-            return mean, block(flags)
-
-        def program(fn, in_specs, out_specs):
-            mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-            return jax.jit(mapped)
-
-        self.worker = program(worker, (per, per), (per, per, per))
-        self.issue = program(issue, (rep, per, per), (per, per, per, per))
-        self.server = program(server, (per, per), (per, per))
-        self.finish = program(finish, (rep, per, per, per), (rep, per))
-
-
 def take_rows(new: jax.Array, old: jax.Array, positions: set[int]) -> jax.Array:
     """``new`` with the rows (data-axis positions, axis 0) in ``positions`` taken from ``old``:
     whole shards (``new`` and ``old`` sharded alike), so nothing is copied."""
@@ -243,7 +198,7 @@ class BackgroundSync:
         self.offsets = fragment_offsets(spec.sync_every, spec.fragments)
         self._links = HostLinks(spec.sync_timeout)
         self._runner = _Runner()
-        self._programs: dict[int, _Fragment] = {}
+        self._programs: dict[int, FragmentPrograms] = {}
         self._inflight: dict[int, tuple[int, concurrent.futures.Future]] = {}
         self._last: Any = None
         self._count = 0
@@ -290,10 +245,17 @@ class BackgroundSync:
 
     # -- one sync -----------------------------------------------------------------------------
 
-    def _fragment(self, f: int, pending) -> _Fragment:
+    def _fragment(self, f: int, pending) -> FragmentPrograms:
         if f not in self._programs:
             shapes = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in pending]
-            self._programs[f] = _Fragment(self.spec, self.mesh, shapes, self.n)
+            self._programs[f] = FragmentPrograms(
+                self.spec.compressor,
+                self.spec.axis_name,
+                self.spec.bucket_bytes,
+                self.mesh,
+                shapes,
+                self.n,
+            )
         return self._programs[f]
 
     def _issue_new(self, state, f: int, t_i: int):
@@ -323,7 +285,7 @@ class BackgroundSync:
         wires, workers, kept = programs.worker(pending, comm)
         self._submit(programs, f, t_i, wires, workers, kept)
 
-    def _submit(self, programs: _Fragment, f: int, t_i: int, wires, workers, kept) -> None:
+    def _submit(self, programs: FragmentPrograms, f: int, t_i: int, wires, workers, kept) -> None:
         future = self._runner.submit(self._exchange, programs, wires, workers, kept)
         self._inflight[f] = (t_i, future)
 
@@ -338,14 +300,14 @@ class BackgroundSync:
                     rows.setdefault(pos, []).append(np.asarray(shard.data)[0])
         return rows
 
-    def _exchange(self, programs: _Fragment, wires, workers, kept):
+    def _exchange(self, programs: FragmentPrograms, wires, workers, kept):
         try:
             return self._exchange_once(programs, wires, workers, kept)
         except SyncError:
             self._fail()  # the peers' exchanges fail now, not at their sync_timeout
             raise
 
-    def _exchange_once(self, programs: _Fragment, wires, workers, kept):
+    def _exchange_once(self, programs: FragmentPrograms, wires, workers, kept):
         flat, treedef = jax.tree.flatten(wires)
         received = all_to_all(self._links, self._rows(flat), self.owner, self.me)
 

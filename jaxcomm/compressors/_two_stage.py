@@ -101,6 +101,15 @@ class ReduceInFp32(TwoStageFeedback):
     @abc.abstractmethod
     def _reduce_mean(self, wire: tuple[jax.Array, ...], axis_size: int) -> jax.Array: ...
 
+    def _decoded_finite_probe(
+        self, wire: tuple[jax.Array, ...], numel: int, length: int
+    ) -> jax.Array | None:
+        """Values that are all finite exactly when the first ``numel`` elements of
+        ``_decode(wire)`` (flattened, blocks of ``length``) are, read without decoding; ``None``
+        when the codec knows none (check the decoded values)."""
+        del wire, numel, length
+        return None
+
     # -- state ---------------------------------------------------------------------------------
 
     def init_all_reduce_state(self, numel: int, axis_size: int) -> TwoStageState | tuple:

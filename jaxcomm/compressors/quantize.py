@@ -128,6 +128,16 @@ class Quantize(ReduceInFp32):
         q = unpack_int4(codes) if self.bits == 4 else codes
         return q.astype(jnp.float32) * inv[..., None]
 
+    def _decoded_finite_probe(self, wire, numel, length):
+        """The scales of the blocks that hold the first ``numel`` elements.
+
+        A block decodes to ``q * inv`` with ``|q| <= 2^(b-1)`` and ``inv ~ absmax / 2^(b-1)``
+        (infinite once ``2 absmax`` overflows), so its values are all finite when ``inv`` is
+        and all NaN or Inf when it is not.
+        """
+        _, inv = wire
+        return inv.reshape(-1)[: ceil_div(numel, length)]
+
     def _reduce_mean(self, wire, axis_size):
         codes, inv = wire
         return unrolled_sum(self._decode, (codes, inv / axis_size), axis_size)

@@ -261,7 +261,6 @@ def diloco(
         local = jax.tree.leaves(optax.apply_updates(params, inner_updates))
         inner_nonfinite = state.local.nonfinite + jnp.where(ok, 0, 1).astype(jnp.int32)
         in_a_row = jnp.where(ok, 0, state.local.consecutive + 1).astype(jnp.int32)
-        before = [jnp.asarray(p, f32) for p in param_leaves]  # x_r after the previous step
         theta = list(jax.tree.leaves(state.outer_params))
         t = state.count + 1
         outers, inflights, comms = list(state.outer), list(state.inflight), list(state.comm)
@@ -293,7 +292,7 @@ def diloco(
                 # fragment's pseudo-gradients into the state's pending slot from the input
                 # state of step t_s + 1 and reduces them meanwhile: the steps pass them on.
                 if not background:
-                    prev = [before[i] for i in ids]
+                    prev = [jnp.asarray(param_leaves[i], f32) for i in ids]  # x_r, step t_s
                     issued = periodic(t, H, offsets[f], 1)
 
                     def issue(th, prev, pending, comm):

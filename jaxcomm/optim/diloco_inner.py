@@ -47,14 +47,15 @@ def make_inner_step(inner: optax.GradientTransformation, axis_name: str) -> Call
 
         def skip(updates, inner_state, params):
             shapes = jax.eval_shape(take, updates, inner_state, params)[0]
-            like = jax.tree.map(
-                lambda u, s: (u.shape, u.dtype) == (s.shape, s.dtype), updates, shapes
-            )
             # The gradient itself stands in for the zeros where it can (masked below): zeros
             # made here are a constant that XLA hoists out of the conditional and copies into
             # its operands on every step, a write of every leaf.
             stand_in = jax.tree.map(
-                lambda u, s, same: u if same else jnp.zeros(s.shape, s.dtype), updates, shapes, like
+                lambda u, s: (
+                    u if (u.shape, u.dtype) == (s.shape, s.dtype) else jnp.zeros(s.shape, s.dtype)
+                ),
+                updates,
+                shapes,
             )
             return varying((stand_in, inner_state), axis_name)
 

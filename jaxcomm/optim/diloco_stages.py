@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxcomm.comm.buckets import Bucket, ceil_div, flatten_bucket, unflatten_bucket
 from jaxcomm.comm.state import ReduceState, plan_tree
-from jaxcomm.compressors import Compressor, NoCompression, OneBit, Quantize
+from jaxcomm.compressors import Compressor, NoCompression, OneBit
 from jaxcomm.compressors._base import probes_finite
 from jaxcomm.compressors._two_stage import ReduceInFp32
 from jaxcomm.optim import diloco_onebit_stages as onebit
@@ -136,22 +136,6 @@ def server(compressor, p: Plan, received, kept, n: int):
     return wires, residuals
 
 
-def _mean_probe(compressor, wire, numel: int):
-    """What decides whether a decoded mean is finite, without decoding it: ``jc.Quantize``'s
-    block scales, else ``None`` (check the mean itself).
-
-    A block decodes to ``q * inv`` with ``|q| <= 2^(b-1)`` and ``inv ~ absmax / 2^(b-1)``
-    (``inv`` is infinite once ``2 absmax`` overflows), so its values are all finite when
-    ``inv`` is and all NaN or Inf when it is not: the mean's first ``numel`` elements are
-    finite exactly when the scales of the blocks that hold them are.
-    """
-    if not isinstance(compressor, Quantize):
-        return None
-    codes, inv = wire
-    length = codes.shape[-1] * (2 if compressor.bits == 4 else 1)
-    return inv.reshape(-1)[: ceil_div(numel, length)]
-
-
 def finish(compressor, p: Plan, gathered, workers, servers, kept, n: int):
     """Stage 3 on every device: ``(the mean's leaves in fragment order, flags)``; ``flags``:
     ``()`` without error feedback, else ``(bad, count)``: whether the mean or a new residual
@@ -167,7 +151,8 @@ def finish(compressor, p: Plan, gathered, workers, servers, kept, n: int):
         if isinstance(compressor, NoCompression):
             mean = mean / n
         if p.guarded:
-            probe = _mean_probe(compressor, gathered[k], bucket.numel)
+            # A codec that knows its output's finiteness from its scales spares a pass.
+            probe = compressor._decoded_finite_probe(gathered[k], bucket.numel, p.layouts[k][1])
             bad = bad | ~probes_finite((mean if probe is None else probe, workers[k], servers[k]))
         for i, leaf in zip(bucket.leaf_ids, unflatten_bucket(mean, bucket), strict=True):
             out[i] = leaf

@@ -46,7 +46,7 @@ def _vma(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
-def ensure_varying(x: jax.Array, axis_name: str) -> jax.Array:
+def ensure_varying(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
     """Mark ``x`` as varying along ``axis_name`` (a no-op outside ``check_vma`` tracing).
 
     all_to_all and all_gather require device-varying operands under ``check_vma=True``; a
@@ -63,7 +63,14 @@ def ensure_varying(x: jax.Array, axis_name: str) -> jax.Array:
         return x
 
 
-def all_gather_replicated(x: jax.Array, axis_name: str) -> jax.Array:
+def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` typed device-varying along every axis ``like`` varies along (a no-op outside
+    ``check_vma`` tracing): the two branches of a ``lax.cond`` must agree on it."""
+    axes = tuple(sorted(_vma(like) - _vma(x)))
+    return ensure_varying(x, axes) if axes else x
+
+
+def all_gather_replicated(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
     """``all_gather`` (stacked on a new leading axis) whose result is typed as replicated.
 
     A plain ``lax.all_gather`` result is typed device-varying under ``check_vma``, which would force

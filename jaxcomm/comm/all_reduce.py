@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxcomm.comm.axes import AxisName
 from jaxcomm.comm.reduce import reduce_tree
 from jaxcomm.comm.state import ReduceState
 from jaxcomm.compressors import Compressor
@@ -24,7 +25,7 @@ def compressed_psum(
     tree: PyTree,
     state: ReduceState | None,
     *,
-    axis_name: str,
+    axis_name: AxisName,
     compressor: Compressor,
     bucket_bytes: int | None = None,
 ) -> tuple[PyTree, ReduceState | None]:
@@ -37,7 +38,10 @@ def compressed_psum(
     Args:
       tree: this device's local pytree of arrays.
       state: from :func:`jaxcomm.init_state` (``None`` is accepted for stateless compressors).
-      axis_name: a bound mesh or pmap axis.
+      axis_name: a bound mesh or pmap axis, or a tuple of mesh axes, slowest link first (e.g.
+        ``("host", "local")``): exact over the trailing axes, ``compressor`` only across the
+        first, on each device's share of every bucket (:mod:`jaxcomm.comm.two_level`); the
+        state then comes from ``jc.init_state(..., axis_size=(S, L))``.
       compressor: e.g. ``jc.OneBit()`` or ``jc.NoCompression()``.
       bucket_bytes: ``None`` for one bucket per dtype, else about this many bytes per bucket.
 
@@ -66,7 +70,7 @@ def compressed_pmean(
     tree: PyTree,
     state: ReduceState | None,
     *,
-    axis_name: str,
+    axis_name: AxisName,
     compressor: Compressor,
     bucket_bytes: int | None = None,
 ) -> tuple[PyTree, ReduceState | None]:
@@ -108,7 +112,7 @@ def compressed_pmean_or_fallback(
     state: ReduceState | None,
     fallback: PyTree,
     *,
-    axis_name: str,
+    axis_name: AxisName,
     compressor: Compressor,
     bucket_bytes: int | None = None,
 ) -> tuple[PyTree, ReduceState | None, jax.Array]:

@@ -1,41 +1,25 @@
-"""Hierarchical reduction on a 2-D mesh: compress only across the slow axis.
+"""Hierarchical reduction on a 2-D mesh, in the older spelling of the tuple axis.
 
-On a mesh such as ``("node", "local")`` the devices of one node talk over a fast link (NVLink,
-shared memory) and nodes over a slow one (Ethernet). Compressing the fast hop costs fidelity for
-nothing, so, as Horovod's hierarchical all-reduce and ZeRO++'s hierarchical partitioning do:
+``hierarchical_pmean(tree, state, inner_axis="local", outer_axis="node", compressor=c)`` is
+``jc.compressed_pmean(tree, state, axis_name=("node", "local"), compressor=c)``: exact over the
+fast (inner) axis, ``c`` only across the slow (outer) one, on each device's ``1/L`` share of
+every bucket (:mod:`jaxcomm.comm.two_level`). New code passes the tuple of axes, slowest first,
+to the collectives and the optimizers directly; these names stay for existing callers.
 
-1. exact reduce-scatter over the fast axis (each local rank owns ``1/L`` of every leaf);
-2. compressed all-reduce of that shard over the slow axis, with the shard's error feedback;
-3. exact all-gather over the fast axis.
-
-Only step 2 crosses the slow axis, carrying ``1/L`` of the tree in compressed form: per device
-``2 (S-1)/S * |shard|_compressed`` instead of ``2 (S L - 1)/(S L) * |tree|_fp32`` for a flat
-fp32 all-reduce over all ``S L`` devices. :func:`jaxcomm.wire_bytes_by_axes` reads the split from
-the compiled HLO.
-
-The state is one device's error feedback for its shard tree (:func:`init_hierarchical_state`);
-it differs per local rank, so it is sharded over both axes: ``jc.stack_per_device(state, S * L)``
-passed with ``P(("node", "local"))``. The shards are 1-D, so a compressor that needs matrices
-(``PowerSGD``) sends them exactly: use it flat instead.
+The state is one device's error feedback for its share (:func:`init_hierarchical_state`, the
+same as ``jc.init_state(c, tree, axis_size=(outer_size, inner_size))``); it differs per device,
+so it is sharded over both axes: ``jc.stack_per_device(state, S * L)`` passed with
+``P(("node", "local"))``. A compressor that needs the leaves' shapes (``PowerSGD``) is refused:
+the slow axis sees 1-D shares.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from jaxcomm._compat import bound_axis_size
 from jaxcomm.comm.all_reduce import compressed_pmean, compressed_psum
-from jaxcomm.comm.scatter_gather import (
-    compressed_all_gather,
-    compressed_pmean_scatter,
-    compressed_psum_scatter,
-    shard_shapes,
-)
 from jaxcomm.comm.state import ReduceState, init_state
-from jaxcomm.compressors import Compressor, NoCompression
+from jaxcomm.compressors import Compressor
 
 PyTree = Any
 
@@ -48,56 +32,20 @@ def init_hierarchical_state(
     outer_size: int,
     bucket_bytes: int | None = None,
 ) -> ReduceState:
-    """One device's state for :func:`hierarchical_psum` / :func:`hierarchical_pmean`.
+    """One device's state for :func:`hierarchical_psum` / :func:`hierarchical_pmean`:
+    ``jc.init_state(compressor, tree, axis_size=(outer_size, inner_size), ...)``.
 
     Args:
       compressor: the compressor of the slow (outer) axis.
       tree: the local tree (arrays or ``ShapeDtypeStruct``s).
-      inner_size: devices on the fast axis (the tree is cut into ``inner_size`` shards).
+      inner_size: devices on the fast axis (each keeps the error feedback of ``1/inner_size``
+        of every bucket).
       outer_size: devices on the slow axis.
       bucket_bytes: as for the collectives.
     """
-    # The slow axis sees the fast axis's shards; bool leaves arrive there as int32 counts.
-    shards = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, jnp.int32) if s.dtype == jnp.bool_ else s,
-        shard_shapes(tree, inner_size),
+    return init_state(
+        compressor, tree, axis_size=(outer_size, inner_size), bucket_bytes=bucket_bytes
     )
-    return init_state(compressor, shards, axis_size=outer_size, bucket_bytes=bucket_bytes)
-
-
-def _hierarchical(tree, state, inner_axis, outer_axis, compressor, bucket_bytes, mean: bool):
-    exact = NoCompression()
-    leaves, treedef = jax.tree.flatten(tree)
-    # Integer and bool leaves are summed exactly on both hops, as the flat collectives do (bool
-    # as int32 counts); a mean divides their sum once it is complete (below). Floating leaves
-    # take the mean per hop. The outer call sees the shards in the order (and the integer
-    # dtypes) that init_hierarchical_state planned its buckets for.
-    integer = [not jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
-    scatter = compressed_pmean_scatter if mean else compressed_psum_scatter
-    floats, _ = scatter(
-        [x for x, i in zip(leaves, integer, strict=True) if not i],
-        None, axis_name=inner_axis, compressor=exact, bucket_bytes=bucket_bytes,
-    )  # fmt: skip
-    ints, _ = compressed_psum_scatter(
-        [x for x, i in zip(leaves, integer, strict=True) if i],
-        None, axis_name=inner_axis, compressor=exact, bucket_bytes=bucket_bytes,
-    )  # fmt: skip
-    floats, ints = iter(floats), iter(ints)
-    shards = [next(ints) if i else next(floats) for i in integer]
-    reduce = compressed_pmean if mean else compressed_psum
-    shards, state = reduce(
-        shards, state, axis_name=outer_axis, compressor=compressor, bucket_bytes=bucket_bytes
-    )
-    # Exact means of integer leaves are floating (as lax.pmean): gather in the shards' dtypes.
-    like = [jax.ShapeDtypeStruct(x.shape, s.dtype) for x, s in zip(leaves, shards, strict=True)]
-    out, _ = compressed_all_gather(
-        shards, None, axis_name=inner_axis, compressor=exact, like=like, bucket_bytes=bucket_bytes
-    )
-    if mean:  # the outer mean of the inner sums, divided by the inner axis size
-        inner = bound_axis_size(inner_axis)
-        out = [x / inner if i else x for x, i in zip(out, integer, strict=True)]
-    return jax.tree.unflatten(treedef, out), state
-
 
 def hierarchical_psum(
     tree: PyTree,
@@ -129,7 +77,13 @@ def hierarchical_psum(
       >>> bool(jnp.abs(total[0, 0] - exact).max() < 0.02 * jnp.abs(exact).max())  # int8 rounding
       True
     """
-    return _hierarchical(tree, state, inner_axis, outer_axis, compressor, bucket_bytes, mean=False)
+    return compressed_psum(
+        tree,
+        state,
+        axis_name=(outer_axis, inner_axis),
+        compressor=compressor,
+        bucket_bytes=bucket_bytes,
+    )
 
 
 def hierarchical_pmean(
@@ -145,9 +99,14 @@ def hierarchical_pmean(
 
     Integer and bool leaves are never compressed (as in :func:`jaxcomm.compressed_pmean`):
     they are summed exactly, as integers, over both axes and the sum is divided by the number
-    of devices, giving a floating mean like ``lax.pmean`` (bit for bit when both axis sizes are
-    powers of two; otherwise within one rounding, the division being done per axis). A state
+    of devices, giving a floating mean like ``lax.pmean``. A state
     from :func:`init_hierarchical_state` of a tree with integer leaves fits (their buckets
     carry no state).
     """
-    return _hierarchical(tree, state, inner_axis, outer_axis, compressor, bucket_bytes, mean=True)
+    return compressed_pmean(
+        tree,
+        state,
+        axis_name=(outer_axis, inner_axis),
+        compressor=compressor,
+        bucket_bytes=bucket_bytes,
+    )

@@ -12,6 +12,7 @@ thin calls of it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm._compat import bound_axis_size
+from jaxcomm.comm.axes import axis_names
 from jaxcomm.comm.buckets import (
     flatten_bucket,
     flatten_bucket_rank_major,
@@ -27,6 +29,7 @@ from jaxcomm.comm.buckets import (
     unflatten_bucket,
 )
 from jaxcomm.comm.state import StateOp, as_local_block, check_state, keep_finite, plan_tree
+from jaxcomm.comm.two_level import gather_shares, scatter_rows, scatter_share, share_bucket
 from jaxcomm.compressors import Compressor, NoCompression, mean_or_fallback
 
 PyTree = Any
@@ -62,6 +65,21 @@ def _fallback_leaves(fallback: PyTree, leaves: list, treedef) -> list:
     return fallback_leaves
 
 
+def _check_two_level(compressor: Compressor, scatter: bool) -> None:
+    """Refuse a compressor that cannot run on the two-level transport's 1-D shares."""
+    if not compressor.splits_into_shares:
+        raise ValueError(
+            f"jaxcomm: {type(compressor).__name__} compresses each leaf in its own shape, but over "
+            "a tuple of axes the slow axis sees 1-D shares of the buckets: use one axis, or "
+            "another compressor"
+        )
+    if scatter and compressor.scatter_layout != "rank_major":
+        raise ValueError(
+            f"jaxcomm: {type(compressor).__name__} reduce-scatters whole buckets, so it cannot "
+            "reduce-scatter over a tuple of axes: use one axis, or another compressor"
+        )
+
+
 def reduce_tree(
     tree, state, axis_name, compressor, bucket_bytes, *, mean: bool, op: StateOp, fallback=None
 ):
@@ -70,20 +88,30 @@ def reduce_tree(
     Returns the reduced tree, the new state and, with a ``fallback`` tree (all-reduce means
     only), the floating buckets' flags (whether each mean was finite, else it is fallback's).
     """
-    axis_size = bound_axis_size(axis_name)
+    names = axis_names(axis_name)
+    axis_name = names[0] if len(names) == 1 else names
+    sizes = tuple(bound_axis_size(a) for a in names)
+    axis_size = math.prod(sizes)  # all devices: the exact buckets' reductions run over them
+    state_sizes = sizes if len(names) > 1 else axis_size
     leaves, treedef, buckets = plan_tree(tree, compressor, bucket_bytes)
     fallback_leaves = None if fallback is None else _fallback_leaves(fallback, leaves, treedef)
     scatter = op == "reduce_scatter"
-    local, restore = as_local_block(state, compressor, buckets, axis_size, op)
-    checked = check_state(local, compressor, buckets, axis_name, axis_size, op, bucket_bytes)
+    if len(names) > 1:
+        _check_two_level(compressor, scatter)
+    local, restore = as_local_block(state, compressor, buckets, state_sizes, op)
+    checked = check_state(local, compressor, buckets, axis_name, state_sizes, op, bucket_bytes)
     # A compressor that computes in the (1, *local) block layout gets the blocks themselves, so
     # that XLA updates the donated buffers in place (a squeeze and its inverse around the update
     # cost a fresh buffer and a copy per state leaf on XLA:CPU).
-    blocks = local is not state and not scatter and compressor._takes_state_blocks
+    blocks = (
+        local is not state and not scatter and compressor._takes_state_blocks and len(names) == 1
+    )
     bucket_states = state.buckets if blocks else checked.buckets
     finites, mean_finites = [], []
 
     def one_bucket(bucket, bucket_state):
+        if len(names) > 1 and not bucket.exact and bucket.numel:
+            return two_level_bucket(bucket, bucket_state)
         comp = EXACT if bucket.exact else compressor
         if scatter and (comp.scatter_layout == "rank_major" or bucket.numel == 0):
             buf = flatten_bucket_rank_major(leaves, bucket, axis_size)
@@ -135,6 +163,39 @@ def reduce_tree(
             pieces = split_shard(out, bucket, axis_size)
             return [p.astype(d) for p, d in zip(pieces, dtypes, strict=True)], bucket_state
         return unflatten_bucket(out, bucket, dtypes), bucket_state
+
+    def two_level_bucket(bucket, bucket_state):
+        # Exact over the fast axes, the compressor across the slow one on this device's share
+        # (jaxcomm.comm.two_level); the guard and the fallback as on one axis.
+        slow, fast = names[0], names[1:]
+        slow_size, fast_size = sizes[0], axis_size // sizes[0]
+        inner = share_bucket(bucket, slow_size, fast_size, op)
+        guarded = not (state is None or not jax.tree_util.tree_leaves(bucket_state))
+        kw = dict(axis_name=slow, axis_size=slow_size)
+        if scatter:
+            rows = scatter_rows(
+                flatten_bucket_rank_major(leaves, bucket, axis_size), fast, slow_size, fast_size
+            )
+            buf = rows / fast_size if mean else rows
+            run = compressor.guarded_reduce_scatter_bucket if guarded else None
+            run = run or compressor.reduce_scatter_bucket
+        else:
+            buf = scatter_share(flatten_bucket(leaves, bucket), fast, fast_size, mean)
+            run = compressor.guarded_all_reduce_bucket if guarded else None
+            run = run or compressor.all_reduce_bucket
+        out, bucket_state, *finite = run(buf, bucket_state, inner, **kw)
+        finites.extend(finite)
+        out = _as_requested(out, compressor, mean, slow_size)
+        if scatter:
+            pieces = split_shard(out, bucket, axis_size)
+            return [p.astype(d) for p, d in zip(pieces, bucket.dtypes, strict=True)], bucket_state
+        full = gather_shares(out, fast, bucket.numel)
+        if fallback_leaves is None:
+            return unflatten_bucket(full, bucket), bucket_state
+        kept = [fallback_leaves[i].astype(full.dtype) for i in bucket.leaf_ids]
+        parts, finite_mean = mean_or_fallback(full, bucket, kept)
+        mean_finites.append(finite_mean)
+        return [p.astype(d) for p, d in zip(parts, bucket.dtypes, strict=True)], bucket_state
 
     out, new_states = map_buckets(one_bucket, buckets, len(leaves), bucket_states)
     kept = (

@@ -14,9 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm._compat import bound_axis_size, ensure_varying
+from jaxcomm.comm.axes import AxisName, axis_names
 from jaxcomm.comm.buckets import ceil_div, join_shards, map_buckets, unflatten_rank_major
 from jaxcomm.comm.reduce import EXACT, reduce_tree
 from jaxcomm.comm.state import ScatterState, plan_tree
+from jaxcomm.comm.two_level import gather_rows
 from jaxcomm.compressors import Compressor
 
 PyTree = Any
@@ -26,7 +28,7 @@ def compressed_psum_scatter(
     tree: PyTree,
     state: ScatterState | None,
     *,
-    axis_name: str,
+    axis_name: AxisName,
     compressor: Compressor,
     bucket_bytes: int | None = None,
 ) -> tuple[PyTree, ScatterState | None]:
@@ -60,7 +62,7 @@ def compressed_pmean_scatter(
     tree: PyTree,
     state: ScatterState | None,
     *,
-    axis_name: str,
+    axis_name: AxisName,
     compressor: Compressor,
     bucket_bytes: int | None = None,
 ) -> tuple[PyTree, ScatterState | None]:
@@ -86,7 +88,7 @@ def compressed_all_gather(
     shards: PyTree,
     state: Any,
     *,
-    axis_name: str,
+    axis_name: AxisName,
     compressor: Compressor,
     like: PyTree,
     bucket_bytes: int | None = None,
@@ -110,7 +112,8 @@ def compressed_all_gather(
       >>> full["w"][0].tolist()  # the padding (6.0, 7.0) is dropped
       [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     """
-    axis_size = bound_axis_size(axis_name)
+    names = axis_names(axis_name)
+    axis_size = math.prod(bound_axis_size(a) for a in names)
     like_leaves, treedef, buckets = plan_tree(like, compressor, bucket_bytes)
     shard_leaves, shard_def = jax.tree_util.tree_flatten(shards)
     if shard_def != treedef:
@@ -124,9 +127,16 @@ def compressed_all_gather(
             rows = jnp.zeros((axis_size, row.shape[0]), row.dtype)
         else:
             comp = EXACT if bucket.exact else compressor
-            rows = comp.all_gather(
-                ensure_varying(row, axis_name), axis_name=axis_name, axis_size=axis_size
-            )
+            if len(names) > 1:  # the compressor across the slow axis, exact over the fast ones
+                slow_size = bound_axis_size(names[0])
+                mine = comp.all_gather(
+                    ensure_varying(row, names[0]), axis_name=names[0], axis_size=slow_size
+                )
+                rows = gather_rows(mine, names[1:], slow_size, axis_size // slow_size)
+            else:
+                rows = comp.all_gather(
+                    ensure_varying(row, axis_name), axis_name=axis_name, axis_size=axis_size
+                )
         return unflatten_rank_major(rows, bucket, axis_size), None
 
     out, _ = map_buckets(one_bucket, buckets, len(like_leaves))

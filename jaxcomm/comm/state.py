@@ -22,13 +22,16 @@ and imports no optimizer.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm.comm.axes import level_sizes
 from jaxcomm.comm.buckets import Bucket, check_leaves, plan_buckets
+from jaxcomm.comm.two_level import share_bucket
 from jaxcomm.compressors import Compressor
 
 PyTree = Any
@@ -134,14 +137,36 @@ def plan_tree(tree: PyTree, compressor: Compressor, bucket_bytes: int | None):
     return leaves, treedef, plan_buckets(leaves, bucket_bytes, compressor.compute_dtype)
 
 
-def _bucket_state(compressor: Compressor, bucket: Bucket, axis_size: int, op: StateOp):
+def _bucket_state(compressor: Compressor, bucket: Bucket, axis_size, op: StateOp):
     if bucket.exact or bucket.numel == 0:
         return ()
+    if isinstance(axis_size, tuple):  # two-level: the error feedback of this device's share
+        slow, fast = level_sizes(axis_size)
+        return compressor.init_bucket_state(share_bucket(bucket, slow, fast, op), slow, op)
     return compressor.init_bucket_state(bucket, axis_size, op)
 
 
-def new_state(compressor: Compressor, buckets, axis_size: int, op: StateOp):
-    """A zero state for ``buckets`` (the planned buckets of a tree)."""
+def check_axis_size(axis_size) -> int | tuple[int, ...]:
+    """``axis_size`` as a positive int, or a tuple of them for several axes (slowest first; a
+    one-element tuple is its int), else a clear error."""
+
+    def positive(v) -> bool:
+        return bool(isinstance(v, int | np.integer) and not isinstance(v, bool) and v >= 1)
+
+    if isinstance(axis_size, tuple | list) and axis_size and all(positive(v) for v in axis_size):
+        sizes = tuple(int(v) for v in axis_size)
+        return sizes[0] if len(sizes) == 1 else sizes
+    if positive(axis_size):
+        return int(axis_size)
+    raise ValueError(
+        "jaxcomm: axis_size must be a positive int, or a tuple of them for a tuple of axes "
+        f"(slowest first), got {axis_size!r}"
+    )
+
+
+def new_state(compressor: Compressor, buckets, axis_size, op: StateOp):
+    """A zero state for ``buckets`` (the planned buckets of a tree); ``axis_size`` is an int,
+    or the axes' sizes for a tuple of axes (the two-level transport)."""
     states = tuple(_bucket_state(compressor, b, axis_size, op) for b in buckets)
     # The non-finite counter exists only where there is error feedback to protect, so exact
     # compressors keep a leafless state (and accept None).
@@ -153,7 +178,7 @@ def init_state(
     compressor: Compressor,
     tree: PyTree,
     *,
-    axis_size: int,
+    axis_size: int | tuple[int, ...],
     bucket_bytes: int | None = None,
     op: StateOp = "all_reduce",
 ) -> ReduceState | ScatterState:
@@ -162,7 +187,10 @@ def init_state(
     Args:
       compressor: the compressor the state is for.
       tree: the local tree (arrays or ``jax.ShapeDtypeStruct``s); only shapes and dtypes are read.
-      axis_size: number of devices on the reduced axis.
+      axis_size: number of devices on the reduced axis; for a tuple of axes (slowest first, the
+        two-level transport of :mod:`jaxcomm.comm.two_level`) the tuple of their sizes, e.g.
+        ``(2, 4)`` for ``("host", "local")``: each device then keeps the error feedback of its
+        ``1/4`` share of every bucket.
       bucket_bytes: the bucket size the collective will be called with.
       op: ``"all_reduce"`` for ``compressed_psum``/``compressed_pmean``, ``"reduce_scatter"`` for
         ``compressed_psum_scatter``. (All-gathers carry no error feedback.)
@@ -179,10 +207,9 @@ def init_state(
     """
     if op not in STATE_TYPES:
         raise ValueError(f"jaxcomm: op must be 'all_reduce' or 'reduce_scatter', got {op!r}")
-    if not isinstance(axis_size, int | np.integer) or axis_size < 1:
-        raise ValueError(f"jaxcomm: axis_size must be a positive int, got {axis_size!r}")
+    axis_size = check_axis_size(axis_size)
     _, _, buckets = plan_tree(tree, compressor, bucket_bytes)
-    return new_state(compressor, buckets, int(axis_size), op)
+    return new_state(compressor, buckets, axis_size, op)
 
 
 def check_state(state, compressor, buckets, axis_name, axis_size, op: StateOp, bucket_bytes):
@@ -214,11 +241,12 @@ def check_state(state, compressor, buckets, axis_name, axis_size, op: StateOp, b
         if tuple(got.shape) != tuple(want.shape) or np.dtype(got.dtype) != np.dtype(want.dtype):
             hint = "Was the state built for another tree, axis size or compressor? Build it with "
             hint += build + "."
-            if _all_devices_states(state, expected, axis_size):
+            total = math.prod(axis_size) if isinstance(axis_size, tuple) else axis_size
+            if _all_devices_states(state, expected, total):
                 # Every device sees all n devices' states: passed with P() instead of P(axis).
                 hint = (
-                    f"It holds all {axis_size} devices' states: pass the global state "
-                    f"(jc.stack_per_device(state, {axis_size})) with in_specs and out_specs "
+                    f"It holds all {total} devices' states: pass the global state "
+                    f"(jc.stack_per_device(state, {total})) with in_specs and out_specs "
                     f"P({axis_name!r}), so that each device receives its own."
                 )
             raise ValueError(
@@ -281,7 +309,7 @@ def _structure_mismatch(state, expected, compressor, bucket_bytes, build: str) -
     )
 
 
-def as_local_block(state, compressor, buckets, axis_size: int, op: StateOp):
+def as_local_block(state, compressor, buckets, axis_size, op: StateOp):
     """``(this device's state, restore)`` for a state in the stacked global layout.
 
     Under ``shard_map`` with ``P(axis)`` a state stacked ``(n, *local)`` (``jc.stack_per_device``)

@@ -63,6 +63,11 @@ class Compressor(abc.ABC):
     #: read it so, with no pass over the mean and no collective (the mean is replicated).
     output_decides_finite: bool = False
 
+    #: True when the compressor works on any contiguous share of a bucket, as the two-level
+    #: transport of a tuple of axes hands it (:mod:`jaxcomm.comm.two_level`); False for one
+    #: that needs the leaves' own shapes (PowerSGD views leaves as matrices).
+    splits_into_shares: bool = True
+
     def compute_dtype(self, dtype: np.dtype) -> np.dtype:
         """Dtype of the buffer a floating leaf of ``dtype`` is reduced in."""
         return np.dtype(np.float32)

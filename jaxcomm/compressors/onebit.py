@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomm._compat import all_gather_replicated, ensure_varying
+from jaxcomm._compat import all_gather_replicated, ensure_varying, varying_like
 from jaxcomm.comm.buckets import round_up
 from jaxcomm.compressors._two_stage import TwoStageFeedback, TwoStageScatterState, TwoStageState
 from jaxcomm.compressors.signs import (
@@ -241,7 +241,9 @@ class OneBit(TwoStageFeedback):
         numel = flat.shape[0]
 
         def nan_mean(signs, scales):
-            return jnp.full((numel,), jnp.nan, scales.dtype)
+            # Typed varying as the decoded mean is (over a tuple of axes it varies along the
+            # fast ones: each holds its own share).
+            return varying_like(jnp.full((numel,), jnp.nan, scales.dtype), scales)
 
         decode = lambda signs, scales: decode_mean(signs, scales, numel)  # noqa: E731
         return lax.cond(finite, decode, nan_mean, signs, scales), state, finite

@@ -103,6 +103,7 @@ class PowerSGD(Compressor):
 
     returns_mean = True
     scatter_layout = "concatenated"
+    splits_into_shares = False  # it views each leaf as a matrix
     _takes_state_blocks = True
 
     def __post_init__(self):

@@ -15,23 +15,50 @@ from jax import lax
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.all_reduce import compressed_pmean, compressed_pmean_or_fallback
+from jaxcomm.comm.axes import AxisName, axis_names
+from jaxcomm.comm.state import check_axis_size
 from jaxcomm.comm.state import check_compressor as check_compressor
 from jaxcomm.compressors import NoCompression
 
 PyTree = Any
 
 
-def resolve_axis_size(axis_name: str, axis_size: int | None = None) -> int:
-    """``axis_size`` if given, else the bound size of ``axis_name``, else ``jax.device_count()``."""
+def resolve_axis_size(axis_name: AxisName, axis_size=None) -> int | tuple[int, ...]:
+    """The ``axis_size`` an optimizer's ``init`` builds its error feedback for.
+
+    ``axis_size`` if given (an int, or the axes' sizes for a tuple of axes), else the bound
+    size of ``axis_name`` (a tuple of sizes, slowest first, for a tuple of axes), else, for one
+    unbound axis, ``jax.device_count()``. A tuple of axes that is not bound needs ``axis_size``.
+    """
+    names = axis_names(axis_name)
     if axis_size is not None:
+        if isinstance(axis_size, tuple | list):
+            sizes = check_axis_size(axis_size)
+            if len(names) != (len(sizes) if isinstance(sizes, tuple) else 1):
+                raise ValueError(
+                    f"jaxcomm: axis_size {axis_size!r} does not match axis {axis_name!r}: give "
+                    "one size per axis"
+                )
+            return sizes
         size = int(np.asarray(axis_size))
         if size < 1:
             raise ValueError(f"jaxcomm: axis_size must be a positive int, got {axis_size!r}")
+        if len(names) > 1:
+            raise ValueError(
+                f"jaxcomm: axis {axis_name!r} is a tuple of axes: give axis_size as the tuple of "
+                f"their sizes (slowest first), got {axis_size!r}"
+            )
         return size
     try:
-        return int(lax.axis_size(axis_name))
+        sizes = tuple(int(lax.axis_size(a)) for a in names)
     except NameError:
+        if len(names) > 1:
+            raise ValueError(
+                f"jaxcomm: axis {axis_name!r} is not bound here: call init inside the mesh "
+                "(jc.make_train_step does), or pass axis_size=(slow size, fast size, ...)"
+            ) from None
         return jax.device_count()
+    return sizes[0] if len(sizes) == 1 else sizes
 
 
 def static_bucket_bytes(bucket_bytes) -> int | None:

@@ -22,6 +22,7 @@ per-device state.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -31,6 +32,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm.comm.axes import axis_names
 from jaxcomm.comm.state import holds_per_device_params, is_per_device
 
 PyTree = Any
@@ -148,16 +150,23 @@ def global_view(state: PyTree) -> PyTree:
     return _rows(state, lambda x: x[None], keep_blocks=True)
 
 
-def init_opt_state(tx: optax.GradientTransformation, params: PyTree, axis_name: str, n: int):
+def init_opt_state(tx: optax.GradientTransformation, params: PyTree, axis_name, n: int):
     """``tx.init(params)`` with ``axis_name`` bound to size ``n``, in the pmap layout.
 
     The axis is bound with ``jax.vmap(axis_name=...)``, so transformations that read
     ``lax.axis_size`` in ``init`` (all of jaxcomm's) size their error feedback for ``n``
-    devices. Every leaf of the result is stacked ``(n, ...)``.
+    devices. Every leaf of the result is stacked ``(n, ...)``. For a tuple of axes ``n`` is the
+    tuple of their sizes (one nested ``vmap`` each); the result is stacked ``(prod(n), ...)``,
+    devices in the order of ``PartitionSpec(axis_name)``.
     """
-    return jax.vmap(lambda _: tx.init(params), axis_name=axis_name, axis_size=n)(
-        jnp.zeros((n,), jnp.int32)
-    )
+    names = axis_names(axis_name)
+    sizes = tuple(n) if isinstance(n, tuple | list) else (n,)
+    fn = lambda _: tx.init(params)  # noqa: E731
+    for name, size in reversed(list(zip(names, sizes, strict=True))):
+        fn = jax.vmap(fn, axis_name=name, axis_size=size)
+    out = fn(jnp.zeros(sizes, jnp.int32))
+    total = math.prod(sizes)
+    return jax.tree.map(lambda x: x.reshape(total, *x.shape[len(sizes) :]), out)
 
 
 def from_pmap_layout(state: PyTree) -> PyTree:
@@ -208,13 +217,15 @@ def repeat(x, n: int) -> jax.Array:
 
 
 def initial_train_state(
-    tx: optax.GradientTransformation, params: PyTree, axis_name: str, n: int
+    tx: optax.GradientTransformation, params: PyTree, axis_name, n
 ) -> TrainState:
     """``tx.init(params)`` with ``axis_name`` bound to ``n``, in the global layout: per-device
-    parameters repeated ``(n, ...)``, replicated ones copied (never the caller's arrays)."""
+    parameters repeated ``(n, ...)``, replicated ones copied (never the caller's arrays). For a
+    tuple of axes ``n`` is the tuple of their sizes."""
     opt_state = from_pmap_layout(init_opt_state(tx, params, axis_name, n))
     if params_are_per_device(opt_state):
-        params = jax.tree.map(lambda p: repeat(p, n), params)
+        total = math.prod(n) if isinstance(n, tuple | list) else n
+        params = jax.tree.map(lambda p: repeat(p, total), params)
     else:
         params = jax.tree.map(lambda p: jnp.array(p, copy=True), params)
     return TrainState(params, opt_state)

@@ -10,21 +10,26 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm.comm.axes import AxisName, axis_names, canonical_axis, mesh_axis_size
+
 PyTree = Any
 
 
 @functools.cache  # called per batch leaf and step: scan the mesh once
-def _devices_here(mesh: Mesh, axis_name: str) -> int:
+def _devices_here(mesh: Mesh, axis_name) -> int:
     """How many slices of ``axis_name`` this process's devices hold (all of them, one process)."""
-    axis = mesh.axis_names.index(axis_name)
+    names = axis_names(axis_name)
+    axes = [mesh.axis_names.index(a) for a in names]
     pid = jax.process_index()
     rows = {
-        idx[axis] for idx, device in np.ndenumerate(mesh.devices) if device.process_index == pid
+        tuple(idx[a] for a in axes)
+        for idx, device in np.ndenumerate(mesh.devices)
+        if device.process_index == pid
     }
     return len(rows)
 
 
-def place_batch(batch: PyTree, mesh: Mesh, axis_name: str) -> PyTree:
+def place_batch(batch: PyTree, mesh: Mesh, axis_name: AxisName) -> PyTree:
     """``batch`` with every leaf split on its leading axis over ``axis_name`` of ``mesh``.
 
     A ``jax.Array`` already split that way is returned as it is; another ``jax.Array`` is
@@ -44,12 +49,9 @@ def place_batch(batch: PyTree, mesh: Mesh, axis_name: str) -> PyTree:
       >>> x.sharding.spec == jax.sharding.PartitionSpec("dp")
       True
     """
-    if axis_name not in mesh.shape:
-        raise ValueError(
-            f"jaxcomm: axis {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}"
-        )
+    axis_name = canonical_axis(axis_name)
+    n = mesh_axis_size(mesh, axis_name)
     sharding = NamedSharding(mesh, P(axis_name))
-    n = int(mesh.shape[axis_name])
 
     def place(path, x):
         where = jax.tree_util.keystr(path) or "the batch"

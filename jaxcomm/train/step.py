@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm._compat import ensure_varying
+from jaxcomm.comm.axes import canonical_axis, mesh_axis_sizes
 from jaxcomm.optim.diloco_background import BackgroundSync, background_spec, driven
 from jaxcomm.optim.schedule import record_phases
 from jaxcomm.train.layout import (
@@ -146,11 +147,8 @@ def init_train_state(
     created directly with its sharding (per-device leaves ``P(axis)``, the rest replicated).
     The caller's ``params`` are copied, never aliased (the step donates its input).
     """
-    if axis_name not in mesh.shape:
-        raise ValueError(
-            f"jaxcomm: axis {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}"
-        )
-    n = int(mesh.shape[axis_name])
+    axis_name = canonical_axis(axis_name)
+    n = mesh_axis_sizes(mesh, axis_name)
 
     def build(params):
         return initial_train_state(tx, params, axis_name, n)
@@ -221,6 +219,7 @@ def make_train_step(
       ``step.lower(state, batch).compile().as_text()`` gives the HLO of the program that state
       runs. Works on Explicit-axis meshes (``jax.make_mesh``'s default) and Auto ones.
     """
+    axis_name = canonical_axis(axis_name)
     state = init_train_state(mesh, axis_name, tx, params)
 
     def global_step(state: TrainState, batch, probe: bool = False):

@@ -348,12 +348,15 @@ def test_check_vma_off(mesh):
 
 
 @pytest.mark.parametrize("compressor", [jc.NoCompression(), jc.OneBit()])
-def test_tuple_of_mesh_axes_reduces_over_both(compressor):
-    """axis_name=("node", "local") on a 2 x 4 mesh is one reduction over all 8 devices."""
-    mesh2d = jax.make_mesh((2, 4), ("node", "local"), axis_types=(AxisType.Auto,) * 2)
+def test_tuple_of_mesh_axes_is_exact_inside_and_compressed_across(compressor):
+    """axis_name=("node", "local") on a 2 x 4 mesh: the exact mean over "local", then each local
+    rank's share of it through the compressor across "node" (a OneBit model per share), then
+    gathered back; under the default check_vma."""
+    S, L, numel = 2, 4, 40
+    mesh2d = jax.make_mesh((S, L), ("node", "local"), axis_types=(AxisType.Auto,) * 2)
     axes = ("node", "local")
-    trees = [per_device_trees(100 + k, {"g": (40,)}) for k in range(3)]
-    state = jc.init_state(compressor, local(trees[0]), axis_size=N)
+    trees = [per_device_trees(100 + k, {"g": (numel,)}) for k in range(3)]
+    state = jc.init_state(compressor, local(trees[0]), axis_size=(S, L))
     stacked_state = jax.tree.map(lambda s: jnp.stack([s] * N), state)
 
     def body(t, s):
@@ -364,11 +367,14 @@ def test_tuple_of_mesh_axes_reduces_over_both(compressor):
     step = jax.jit(
         jax.shard_map(body, mesh=mesh2d, in_specs=(P(axes), P(axes)), out_specs=(P(), P(axes)))
     )
-    model = OneBitAllReduceModel(N, 40)
+    c = -(-numel // L)
+    models = [OneBitAllReduceModel(S, c) for _ in range(L)]
     for tree in trees:
         out, stacked_state = step(tree, stacked_state)
         if isinstance(compressor, jc.OneBit):
-            expected = model.step(tree["g"])
+            node_mean = tree["g"].reshape(S, L, numel).mean(1, dtype=np.float32)
+            shares = np.pad(node_mean, ((0, 0), (0, L * c - numel))).reshape(S, L, c)
+            expected = np.concatenate([models[r].step(shares[:, r]) for r in range(L)])[:numel]
         else:
             expected = tree["g"].mean(0)
         np.testing.assert_allclose(out["g"], expected, rtol=2e-5, atol=1e-6)

@@ -7,7 +7,8 @@ small sized transformer (about 125M parameters by default), bucketed with ``--bu
 For every compile it records:
 
 * whether it compiles (or the error), compile seconds, peak memory per device
-  (``compiled.memory_analysis()``);
+  (``compiled.memory_analysis()``), and the bytes accessed per device by XLA's own cost
+  analysis (``compiled.cost_analysis()``, where the compiled program exposes it);
 * every collective of the compiled HLO (``jaxcomm.inspect.collectives_in_hlo``): kind, dtype,
   bytes each device sends (ring/pairwise model, see ``jaxcomm.inspect``), and the same bytes
   as laid out in the layout's tiles (``tiled_wire_bytes``: on TPU a uint8 ``(1, R)`` row fills
@@ -70,6 +71,9 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+# The model: a GPT-2 style decoder, layers unrolled (shared with the other step benchmarks).
+from step_models import ModelConfig, make_loss  # noqa: E402
+
 import jaxcomm as jc  # noqa: E402
 from jaxcomm.inspect import DTYPE_BYTES, collectives_in_hlo, num_devices, replica_groups  # noqa: E402
 
@@ -108,83 +112,6 @@ def flag_set(platform: str, name: str, bucket_bytes: int | None) -> dict:
     typed = {"true": True, "false": False}  # XLA:GPU's options want typed values, not strings
     pairs = (tok.lstrip("-").split("=", 1) for tok in text.split())
     return {k: typed.get(v, int(v) if v.isdigit() else v) for k, v in pairs}
-
-
-# ---------------------------------------------------------------------------------------------
-# The model: a GPT-2 style decoder (pre-LayerNorm, fused qkv, tied embedding), bf16 compute on
-# fp32 parameters, layers unrolled (so that each layer's gradients exist before the next
-# layer's backward pass ends: what bucketed collectives can overlap with).
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    layers: int = 12
-    width: int = 768
-    heads: int = 12
-    vocab: int = 50304
-    seq: int = 1024
-    batch_per_device: int = 4
-
-    def param_shapes(self) -> dict:
-        d, f = self.width, jax.ShapeDtypeStruct
-
-        def s(*shape):
-            return f(shape, jnp.float32)
-
-        block = dict(
-            ln1_g=s(d), ln1_b=s(d), qkv_w=s(d, 3 * d), qkv_b=s(3 * d), proj_w=s(d, d),
-            proj_b=s(d), ln2_g=s(d), ln2_b=s(d), fc_w=s(d, 4 * d), fc_b=s(4 * d),
-            out_w=s(4 * d, d), out_b=s(d),
-        )  # fmt: skip
-        blocks = {f"h{i:02d}": dict(block) for i in range(self.layers)}
-        return dict(wte=s(self.vocab, d), wpe=s(self.seq, d), blocks=blocks, lnf_g=s(d), lnf_b=s(d))
-
-    def init(self, key: jax.Array) -> dict:
-        shapes = self.param_shapes()
-        leaves, tree = jax.tree.flatten(shapes)
-        keys = jax.random.split(key, len(leaves))
-        values = [
-            0.02 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)
-        ]
-        return jax.tree.unflatten(tree, values)
-
-    def num_params(self) -> int:
-        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.param_shapes()))
-
-
-def _layer_norm(x, g, b):
-    x = x.astype(jnp.float32)
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return ((x - mean) * jax.lax.rsqrt(var + 1e-5) * g + b).astype(jnp.bfloat16)
-
-
-def make_loss(cfg: ModelConfig) -> Callable:
-    def bf(w):
-        return w.astype(jnp.bfloat16)
-
-    def loss_fn(p, tokens):
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        s, d, h = x.shape[1], cfg.width, cfg.heads
-        act = (p["wte"][x] + p["wpe"][None, :s]).astype(jnp.bfloat16)
-        causal = jnp.tril(jnp.ones((s, s), bool))
-        for name in sorted(p["blocks"]):
-            blk = p["blocks"][name]
-            a = _layer_norm(act, blk["ln1_g"], blk["ln1_b"])
-            qkv = (a @ bf(blk["qkv_w"]) + bf(blk["qkv_b"])).reshape(*a.shape[:2], 3, h, d // h)
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-            att = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / (d // h) ** 0.5
-            att = jax.nn.softmax(jnp.where(causal, att, -1e9), -1).astype(jnp.bfloat16)
-            o = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(a.shape)
-            act = act + o @ bf(blk["proj_w"]) + bf(blk["proj_b"])
-            a = _layer_norm(act, blk["ln2_g"], blk["ln2_b"])
-            hidden = jax.nn.gelu(a @ bf(blk["fc_w"]) + bf(blk["fc_b"]))
-            act = act + hidden @ bf(blk["out_w"]) + bf(blk["out_b"])
-        act = _layer_norm(act, p["lnf_g"], p["lnf_b"])
-        logits = (act @ bf(p["wte"]).T).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    return loss_fn
 
 
 # ---------------------------------------------------------------------------------------------
@@ -770,10 +697,17 @@ def _pct(x) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+def accessed_of(row: dict) -> float | None:
+    """XLA's cost analysis of the row's program: bytes accessed per device (``None`` where the
+    compiled program exposes none, e.g. XLA:GPU compiled without a GPU)."""
+    return (row.get("cost") or {}).get("bytes accessed")
+
+
 def print_table(rows: list[dict]) -> None:
     head = (
         f"{'method':<14}{'phase':<11}{'topology':<12}{'flags':<8}{'ok':<4}{'compile s':>10}"
-        f"{'peak/dev':>11}{'wire/dev':>11}{'async':>7}{'overlap':>9}{'DCN/dev':>11}{'DCN ovl':>9}"
+        f"{'peak/dev':>11}{'accessed':>11}{'wire/dev':>11}{'async':>7}{'overlap':>9}"
+        f"{'DCN/dev':>11}{'DCN ovl':>9}"
     )
     print(head)
     print("-" * len(head))
@@ -784,7 +718,8 @@ def print_table(rows: list[dict]) -> None:
         print(
             f"{r['method']:<14}{r['phase']:<11}{r['topology']:<12}{r['flags']:<8}"
             f"{'yes' if r['compiles'] else 'NO':<4}{r.get('compile_s', 0):>10.1f}"
-            f"{_fmt_bytes(r.get('peak_bytes')):>11}{_fmt_bytes(a.get('wire_bytes')):>11}"
+            f"{_fmt_bytes(r.get('peak_bytes')):>11}{_fmt_bytes(accessed_of(r)):>11}"
+            f"{_fmt_bytes(a.get('wire_bytes')):>11}"
             f"{(str(a.get('async_pairs', 0)) + '/' + str(n_coll)) if a else '-':>7}"
             f"{('-' if ov is None else f'{ov:.0%}'):>9}"
             f"{_fmt_bytes(a.get('cross_slice_bytes')) if r['slices'] > 1 else '-':>11}"
@@ -892,6 +827,7 @@ def main(argv=None) -> int:
                         f"[{topo_name} {mname}/{label} {flag_name}] "
                         f"{'ok' if row['compiles'] else 'FAILED'} "
                         f"{row.get('compile_s', 0):.0f}s peak {_fmt_bytes(row.get('peak_bytes'))}"
+                        f" accessed {_fmt_bytes(accessed_of(row))}"
                         f" wire {_fmt_bytes(a.get('wire_bytes'))} overlap "
                         f"{a.get('overlap_fraction')}",
                         flush=True,

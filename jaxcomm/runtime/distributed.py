@@ -8,8 +8,27 @@ chooses a communication backend. :func:`init_distributed` does the same for JAX:
 * on CPU, cross-process collectives need ``jax_cpu_collectives_implementation`` set to
     ``"gloo"`` (TCP) or ``"mpi"`` (through MPItrampoline) before the CPU client is created.
 
-The environment parsing lives in the pure function :func:`resolve_distributed_env`
-(:mod:`jaxcomm.runtime.environment`), so it can be unit-tested without starting anything.
+The environment parsing lives in the pure functions :func:`resolve_distributed_env`
+(:mod:`jaxcomm.runtime.environment`: torchrun, Open MPI, ``JAXCOMM_COORDINATOR``) and
+:func:`resolve_slurm_env` (here), so it is unit-tested without starting anything.
+
+Who reads which launcher (JAX's own ``jax.distributed.initialize()`` detects SLURM, Open MPI
+under ``mpirun`` and TPUs by itself; jaxcomm delegates to it where that does the job):
+
+* torchrun / DeepSpeed (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``): read here; JAX has no torchrun detection.
+* Open MPI (``OMPI_COMM_WORLD_*``): rank and size read here; the coordinator from
+    ``JAXCOMM_COORDINATOR`` or ``MASTER_ADDR``/``MASTER_PORT``, else (Open MPI 4's ``mpirun``)
+    delegated to JAX's Open MPI detection.
+* SLURM (``srun``): read here (:func:`resolve_slurm_env`), with JAX's coordinator convention
+    (the first node of the step, port ``JAX_COORDINATOR_PORT`` or derived from
+    ``SLURM_JOB_ID``), because JAX's SLURM detection makes every process drive GPU
+    ``SLURM_LOCALID`` only: with one process per node (the two-level ``("host", "local")``
+    layout) each node would contribute a single GPU. Here a process sees all of its node's
+    devices when it is alone on its node, and GPU ``SLURM_LOCALID`` when there are several.
+    It also falls back to ``SLURM_JOB_NODELIST`` and keeps a suffix after the brackets
+    (``n[01-02]-ib`` -> ``n01-ib``), and names the missing variable of an incomplete environment.
+* Anything else (TPU VMs, Kubernetes, ``mpi4py``): delegated to JAX's detection.
 
 Example::
 
@@ -24,13 +43,20 @@ import importlib.metadata
 import logging
 import os
 import pkgutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax
 
 from jaxcomm._compat import backends_initialized, distributed_global_state
-from jaxcomm.runtime.environment import COORDINATOR_ENV, resolve_distributed_env
+from jaxcomm.runtime.environment import (
+    COORDINATOR_ENV,
+    DistributedEnv,
+    _format_address,
+    _parse_int,
+    _rank_and_size,
+    resolve_distributed_env,
+)
 from jaxcomm.runtime.host_allocator import configure_host_allocator
 
 logger = logging.getLogger(__name__)
@@ -160,10 +186,11 @@ def init_distributed(
     """Chooses the cross-process collectives and initializes ``jax.distributed``.
 
     Call it before any JAX computation (including ``jax.devices()``). Settings not passed as
-    arguments are read from the launcher's environment, see :func:`resolve_distributed_env`;
-    if the environment names no launcher, ``jax.distributed.initialize()`` runs its own cluster
-    detection (SLURM, Open MPI, TPU, ...). If ``jax.distributed`` is already initialized, the
-    current settings are returned and nothing is re-initialized.
+    arguments are read from the launcher's environment (torchrun, Open MPI, SLURM's ``srun``;
+    see :func:`resolve_distributed_env` and :func:`resolve_slurm_env`); if the environment names
+    no launcher, ``jax.distributed.initialize()`` runs its own cluster detection (TPU,
+    Kubernetes, ...). If ``jax.distributed`` is already initialized, the current settings are
+    returned and nothing is re-initialized.
 
     Backends:
 
@@ -174,8 +201,11 @@ def init_distributed(
         an MPIwrapper library built for the local MPI, and an MPI launcher.
     * ``"nccl"``: GPU (XLA's own NCCL); an error if JAX is restricted to non-GPU platforms.
 
-    With ``LOCAL_WORLD_SIZE > 1`` processes per node on GPU (torchrun / Open MPI style, one
-    process per GPU) and no ``local_device_ids``, each process gets GPU ``LOCAL_RANK``.
+    GPUs a process drives, without ``local_device_ids``: every GPU it sees when it is the only
+    process on its node (one process per host, the ``("host", "local")`` mesh layout); GPU
+    ``LOCAL_RANK`` (``OMPI_COMM_WORLD_LOCAL_RANK``, ``SLURM_LOCALID``) when the launcher put
+    several on the node (``LOCAL_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_SIZE``,
+    ``SLURM_STEP_TASKS_PER_NODE``), unless ``CUDA_VISIBLE_DEVICES`` already gives each fewer.
 
     Args:
         backend: One of ``"auto"``, ``"gloo"``, ``"mpi"``, ``"nccl"``.
@@ -216,6 +246,8 @@ def init_distributed(
         num_processes=num_processes,
         process_id=process_id,
     )
+    if resolved.source == "jax":  # no torchrun / Open MPI variables: SLURM's, if any
+        resolved = resolve_slurm_env(os.environ, resolved)
     if backends_initialized():
         raise RuntimeError(
             "init_distributed() must run before any JAX computation, jax.devices() or "
@@ -225,13 +257,12 @@ def init_distributed(
     if host_allocator or (host_allocator is None and name in ("gloo", "mpi")):
         configure_host_allocator()
 
-    if (
-        local_device_ids is None
-        and name == "nccl"
-        and resolved.local_rank is not None
-        and (resolved.local_world_size or 1) > 1
-    ):
-        local_device_ids = [resolved.local_rank]
+    if local_device_ids is None and name == "nccl":
+        local_device_ids = _gpu_for_process(resolved, os.environ)
+        if local_device_ids is None and not resolved.complete and resolved.local_rank is not None:
+            # JAX's detection (which still runs for the coordinator) would restrict the process
+            # to GPU local_rank; an empty list is "given" to it and restricts nothing.
+            local_device_ids = []
 
     kwargs: dict[str, object] = {}
     if initialization_timeout is not None:
@@ -264,11 +295,150 @@ def init_distributed(
         raise ValueError(
             f"{e} No launcher environment found: set RANK, WORLD_SIZE, MASTER_ADDR and "
             "MASTER_PORT (torchrun style), OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE with "
-            f"{COORDINATOR_ENV}, run under SLURM, or pass coordinator_address, num_processes "
+            f"{COORDINATOR_ENV}, run under SLURM's srun (SLURM_PROCID, SLURM_NTASKS, "
+            "SLURM_STEP_NODELIST, SLURM_JOB_ID), or pass coordinator_address, num_processes "
             "and process_id."
         ) from e
     _mark_initialized()
     return _current_info(name)
+
+
+# --------------------------------------------------------------------------------------------
+# SLURM.
+# --------------------------------------------------------------------------------------------
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM hostlist: ``node[01-02],x`` -> ``node01``,
+    ``gpu[7,9-12]`` -> ``gpu7``, ``n[001-002]-ib`` -> ``n001-ib``, ``a,b`` -> ``a``."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # the first top-level comma ends the first entry
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            end = i
+            break
+    entry, host = nodelist[:end].strip(), ""
+    while "[" in entry:
+        pre, _, rest = entry.partition("[")
+        inside, sep, entry = rest.partition("]")
+        if not sep:
+            raise ValueError(f"SLURM hostlist {nodelist!r} has an unclosed '['.")
+        host += pre + inside.split(",")[0].split("-")[0]
+    host += entry
+    if not host:
+        raise ValueError(f"SLURM hostlist {nodelist!r} names no host.")
+    return host
+
+
+def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Tasks on node ``node_id`` from ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``: three nodes
+    of 2, then one of 1)."""
+    counts: list[int] = []
+    for item in tasks_per_node.split(","):
+        count, _, times = item.strip().partition("(x")
+        counts += [int(count)] * (int(times.rstrip(")")) if times else 1)
+    if not 0 <= node_id < len(counts):
+        raise ValueError(f"node {node_id} is not in the tasks per node {tasks_per_node!r}.")
+    return counts[node_id]
+
+
+def _slurm_port(env: Mapping[str, str]) -> int:
+    """JAX's SLURM convention: ``JAX_COORDINATOR_PORT``, else one derived from the job id."""
+    for name in ("JAX_COORDINATOR_PORT", "SLURM_JOB_ID"):
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not an integer.") from None
+        if name == "JAX_COORDINATOR_PORT":
+            if not 0 < value < 65536:
+                raise ValueError(f"{name}={raw!r} must be in 1..65535.")
+            return value
+        return value % 2**12 + (65535 - 2**12 + 1)
+    raise ValueError(
+        "SLURM_PROCID/SLURM_NTASKS are set but SLURM_JOB_ID is missing: no coordinator port "
+        f"(set JAX_COORDINATOR_PORT, or {COORDINATOR_ENV}=host:port)."
+    )
+
+
+def resolve_slurm_env(env: Mapping[str, str], base: DistributedEnv) -> DistributedEnv:
+    """Fills what ``base`` (explicit arguments, ``JAXCOMM_COORDINATOR``/``MASTER_ADDR``) leaves
+    open from the variables ``srun`` sets; ``base`` unchanged outside SLURM.
+
+    Rank ``SLURM_PROCID``; size ``SLURM_STEP_NUM_TASKS`` or ``SLURM_NTASKS``; coordinator the
+    first host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``, ``SLURM_NODELIST``) at
+    port ``JAX_COORDINATOR_PORT`` or ``SLURM_JOB_ID % 4096 + 61440`` (JAX's choice); local
+    rank ``SLURM_LOCALID``, local size from ``SLURM_STEP_TASKS_PER_NODE`` (or
+    ``SLURM_TASKS_PER_NODE``) and ``SLURM_NODEID``.
+
+    Raises:
+        ValueError: An incomplete or inconsistent SLURM environment, naming the variable.
+    """
+    size_var = next((v for v in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if env.get(v)), None)
+    if not env.get("SLURM_PROCID") and size_var is None:
+        return base
+    rank, size = _rank_and_size(env, "SLURM_PROCID", size_var or "SLURM_NTASKS")
+    if base.process_id is not None:
+        rank = base.process_id
+    if base.num_processes is not None:
+        size = base.num_processes
+    if rank is not None and size is not None and rank >= size:
+        raise ValueError(f"process_id={rank} must be smaller than num_processes={size}.")
+    coordinator = base.coordinator_address
+    if coordinator is None:
+        nodelist_var = next(
+            (
+                v
+                for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+                if env.get(v, "").strip()
+            ),
+            None,
+        )
+        if nodelist_var is None:
+            raise ValueError(
+                "SLURM_PROCID/SLURM_NTASKS are set but no node list is: SLURM_STEP_NODELIST "
+                f"(or SLURM_JOB_NODELIST) is missing; or set {COORDINATOR_ENV}=host:port."
+            )
+        host = first_host(env[nodelist_var])
+        coordinator = _format_address(host, _slurm_port(env))
+    local_rank = _parse_int(env, "SLURM_LOCALID")
+    local_size = None
+    per_node_var = next(
+        (v for v in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if env.get(v)), None
+    )
+    node_id = _parse_int(env, "SLURM_NODEID")
+    if per_node_var is not None:
+        try:
+            counts = env[per_node_var]
+            if node_id is None and len(set(counts.split(","))) == 1 and "(x" not in counts:
+                node_id = 0  # one count for every node
+            if node_id is not None:
+                local_size = tasks_on_node(counts, node_id)
+        except ValueError as e:
+            raise ValueError(f"{per_node_var}={env[per_node_var]!r}: {e}") from None
+    if local_rank is not None and local_size is not None and local_rank >= local_size:
+        raise ValueError(f"SLURM_LOCALID={local_rank} must be smaller than {local_size}.")
+    return DistributedEnv(coordinator, size, rank, local_rank, local_size, "slurm")
+
+
+def _gpu_for_process(resolved: DistributedEnv, env: Mapping[str, str]) -> list[int] | None:
+    """``local_device_ids`` on GPU: ``None`` (every visible GPU) for a process alone on its
+    node, ``[local_rank]`` for one of several, ``None`` too when the launcher already bound
+    fewer GPUs than there are processes on the node (``CUDA_VISIBLE_DEVICES`` per task)."""
+    if resolved.local_rank is None:
+        return None
+    local_size = resolved.local_world_size
+    if local_size is None:
+        # Unknown: JAX's rule under SLURM (one GPU a process); torchrun/Open MPI: all.
+        return [resolved.local_rank] if resolved.source == "slurm" else None
+    if local_size <= 1:
+        return None
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if "CUDA_VISIBLE_DEVICES" in env and len(visible) < local_size:
+        return None
+    return [resolved.local_rank]
 
 
 #: Default of ``init_distributed(heartbeat_timeout_seconds=)`` (set by ``jaxcomm launch``).

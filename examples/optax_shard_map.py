@@ -16,8 +16,9 @@ download) is trained on every device of a 1-D mesh (8 simulated CPU devices unle
    helpers: what ``jc.make_train_step`` does for you. It gives the same parameters bit for bit.
 
 Each step is compiled once and the bytes each device sends per step are read from the compiled
-HLO (``jaxcomm.inspect.wire_bytes``), not timed. (``onebit_adam`` has no bias correction by default,
-as DeepSpeed: at the same learning rate its early steps are larger than ``optax.adam``'s.)
+HLO (``jaxcomm.inspect.wire_bytes``), not timed. (``onebit_adam`` bias-corrects by default, as
+``optax.adam`` does; ``deepspeed_compat=True`` drops the correction, as DeepSpeed, and its early
+steps are then larger than ``optax.adam``'s at the same learning rate.)
 """
 
 from __future__ import annotations

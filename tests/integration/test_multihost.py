@@ -331,26 +331,20 @@ def _check_onebit(ranks, name):
     assert np.all(np.isfinite(a["losses"]))
 
 
-#: The tuple axis ("host", "local") in jc.compressed_mean / jc.onebit_adam / make_train_step.
-_TUPLE_XFAIL = pytest.mark.xfail(strict=False, reason="tuple axis not yet supported")
-
-
 def test_exact_mean_flat_axis_is_full_batch_gd(ranks):
     _check_exact(ranks, "exact_flat")
 
 
-@pytest.mark.parametrize("case", [pytest.param("exact_tuple", marks=_TUPLE_XFAIL)])
-def test_exact_mean_tuple_axis_is_full_batch_gd(ranks, case):
-    _check_exact(ranks, case)
+def test_exact_mean_tuple_axis_is_full_batch_gd(ranks):
+    _check_exact(ranks, "exact_tuple")
 
 
 def test_onebit_adam_flat_axis_processes_agree_and_learn(ranks):
     _check_onebit(ranks, "onebit_flat")
 
 
-@pytest.mark.parametrize("case", [pytest.param("onebit_tuple", marks=_TUPLE_XFAIL)])
-def test_onebit_adam_tuple_axis_processes_agree_and_learn(ranks, case):
-    _check_onebit(ranks, case)
+def test_onebit_adam_tuple_axis_processes_agree_and_learn(ranks):
+    _check_onebit(ranks, "onebit_tuple")
 
 
 def test_numpy_reference_gradient_matches_finite_differences():

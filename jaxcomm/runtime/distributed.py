@@ -16,7 +16,9 @@ Who reads which launcher (JAX's own ``jax.distributed.initialize()`` detects SLU
 under ``mpirun`` and TPUs by itself; jaxcomm delegates to it where that does the job):
 
 * torchrun / DeepSpeed (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
-    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``): read here; JAX has no torchrun detection.
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``): read here; JAX has no torchrun detection. Where
+    torchrun's agent serves its store on ``MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``),
+    the JAX coordinator takes ``MASTER_PORT + 1``.
 * Open MPI (``OMPI_COMM_WORLD_*``): rank and size read here; the coordinator from
     ``JAXCOMM_COORDINATOR`` or ``MASTER_ADDR``/``MASTER_PORT``, else (Open MPI 4's ``mpirun``)
     delegated to JAX's Open MPI detection.
@@ -248,6 +250,8 @@ def init_distributed(
     )
     if resolved.source == "jax":  # no torchrun / Open MPI variables: SLURM's, if any
         resolved = resolve_slurm_env(os.environ, resolved)
+    if coordinator_address is None:
+        resolved = _beside_torchrun_store(os.environ, resolved)
     if backends_initialized():
         raise RuntimeError(
             "init_distributed() must run before any JAX computation, jax.devices() or "
@@ -421,6 +425,33 @@ def resolve_slurm_env(env: Mapping[str, str], base: DistributedEnv) -> Distribut
     if local_rank is not None and local_size is not None and local_rank >= local_size:
         raise ValueError(f"SLURM_LOCALID={local_rank} must be smaller than {local_size}.")
     return DistributedEnv(coordinator, size, rank, local_rank, local_size, "slurm")
+
+
+#: torchrun sets it when its agent hosts a TCPStore at ``MASTER_ADDR:MASTER_PORT``.
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+def _beside_torchrun_store(env: Mapping[str, str], resolved: DistributedEnv) -> DistributedEnv:
+    """Under torchrun, whose agent on ``MASTER_ADDR`` already listens on ``MASTER_PORT`` (its
+    rendezvous store, shared with the workers: ``TORCHELASTIC_USE_AGENT_STORE=True``), JAX's
+    coordinator, which process 0 binds, takes the next port, ``MASTER_PORT + 1``, the same on
+    every process. ``JAXCOMM_COORDINATOR`` or ``coordinator_address`` choose another."""
+    if (
+        resolved.source != "torchrun"
+        or env.get(AGENT_STORE_ENV, "").strip().lower() not in ("1", "true")
+        or env.get(COORDINATOR_ENV, "").strip()
+        or resolved.coordinator_address is None
+    ):
+        return resolved
+    port = _parse_int(env, "MASTER_PORT", minimum=1)
+    if port is None or port >= 65535:
+        raise ValueError(
+            f"{AGENT_STORE_ENV} is set: torchrun's store holds MASTER_PORT={port} and the JAX "
+            f"coordinator needs MASTER_PORT + 1; set {COORDINATOR_ENV}=host:port instead."
+        )
+    address = _format_address(env["MASTER_ADDR"].strip(), port + 1)
+    logger.info("torchrun's agent store holds MASTER_PORT=%s: JAX coordinator at %s", port, address)
+    return resolved._replace(coordinator_address=address)
 
 
 def _gpu_for_process(resolved: DistributedEnv, env: Mapping[str, str]) -> list[int] | None:

@@ -38,6 +38,7 @@ LAUNCHER_VARS = (
     "CUDA_VISIBLE_DEVICES",
     "JAX_LOCAL_DEVICE_IDS",
     "TPU_WORKER_HOSTNAMES",
+    "TORCHELASTIC_USE_AGENT_STORE",
 )
 
 TORCHRUN = {
@@ -185,6 +186,19 @@ def test_torchrun_inside_slurm_keeps_torchrun_settings(calls, monkeypatch):
     _env(monkeypatch, {**SLURM, **TORCHRUN})
     init_distributed("gloo")
     assert _triple(calls[0]) == ("10.1.2.3:29500", 8, 3)
+
+
+def test_torchrun_agent_store_port_is_left_to_torch(calls, monkeypatch):
+    # torchrun's agent listens on MASTER_PORT itself (its store, shared with the workers).
+    _env(monkeypatch, {**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    init_distributed("gloo")
+    assert _triple(calls[0]) == ("10.1.2.3:29501", 8, 3)
+    monkeypatch.setenv("JAXCOMM_COORDINATOR", "10.1.2.3:4000")
+    init_distributed("gloo")
+    assert _triple(calls[1]) == ("10.1.2.3:4000", 8, 3)
+    monkeypatch.delenv("JAXCOMM_COORDINATOR")
+    init_distributed("gloo", coordinator_address="10.1.2.3:29500")
+    assert _triple(calls[2]) == ("10.1.2.3:29500", 8, 3)
 
 
 @pytest.mark.parametrize("local_size, visible", [("2", [1]), ("1", None)])

@@ -1,0 +1,155 @@
+"""Every measured number a user reads has a source next to it.
+
+A *claim* is a number with a unit or a ratio (``5.7x``, ``+19.0%``, ``8.4 MB``, ``0.67 s``,
+``10 minutes``) or "hundreds of times". In README.md, docs/**/*.md and the comments and
+docstrings of examples/*.py, each claim must sit in a paragraph (or list item, or table) that
+names its source: a results file under ``benchmarks/results/`` that exists, or inside a block
+rendered from one (``<!-- BEGIN generated: ... -->``, see ``benchmarks/render_tables.py``) or
+quoted from one (``<!-- BEGIN sourced: benchmarks/results/FILE -->`` ... ``<!-- END sourced
+-->``). Inline code and the code of fenced blocks are settings, not claims (their comments are
+read). A few numbers are definitions, not measurements, and are allowed anywhere: ``ALLOWED``.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+NUMBER = r"\d+(?:[.,]\d+)*"
+RANGE = rf"[+-]?{NUMBER}(?:\s*(?:-|to)\s*{NUMBER})?"
+UNIT = (
+    r"x\b|%|(?:[KMGT]i?B|[KMGT]bit/s|[KMGT]B/s)\b|bytes?\b|bits?\b|ms\b|s\b|seconds?\b"
+    r"|minutes?\b|min\b|hours?\b|times\b"
+)
+CLAIM = re.compile(rf"(?<![\w.^/-]){RANGE}\s*(?:{UNIT})")
+VAGUE = re.compile(r"\b(?:tens|hundreds|thousands) of times\b", re.I)
+
+# Definitions: what a format or a setting is, not what was measured.
+ALLOWED = [
+    r"\b(?:2|4|8|32)x fewer bytes than fp32",  # 16, 8, 4 or 1 bit instead of 32 per element
+    r"\b\d+% (?:of the steps )?by default\b",  # a setting's default
+    r"\b\d+ ?ms of added latency\b",  # a link's set-up
+    r"\b\d+(?:\.\d+)? (?:Gbit|Mbit)/s\b",  # a link's rate: the set-up of a measurement
+    r"\b\d+ ?(?:bits?|-bit)\b",  # a format's width (int8, 4 bits)
+    r"\b\d+(?:\.\d+)? ?[KMG]iB\b",  # a buffer or bucket size (a setting)
+    r"\b\d+ bytes? (?:an?|per) (?:element|value|scale)\b",  # a format's width
+    r"\b512-byte\b",
+    r"\b\d+x\d+(?:x\d+)?\b",  # a shape or a topology (2x2, 64x64)
+]
+
+GENERATED = re.compile(r"<!-- BEGIN generated: ([\w-]+) .*?<!-- END generated: \1 -->", re.S)
+SOURCED = re.compile(r"<!-- BEGIN sourced: (\S+) -->(.*?)<!-- END sourced -->", re.S)
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+SOURCE = re.compile(r"benchmarks/results/([\w./-]+\.(?:json|md))")
+
+
+def _strip_blocks(text: str) -> str:
+    """Blank out what is rendered or quoted from a results file (checking that the file
+    exists), and the code of fenced blocks (keeping their comments), keeping line numbers."""
+
+    def blank(m: re.Match) -> str:
+        return "\n" * m.group(0).count("\n")
+
+    def sourced(m: re.Match) -> str:
+        path = ROOT / m.group(1)
+        assert path.is_file(), f"a sourced block names {m.group(1)}, which does not exist"
+        return blank(m)
+
+    def comments_only(m: re.Match) -> str:
+        lines = m.group(1).split("\n")
+        kept = [line[line.index("#") :] if "#" in line else "" for line in lines]
+        return "\n" + "\n".join(kept) + "\n"
+
+    text = GENERATED.sub(blank, text)
+    text = SOURCED.sub(sourced, text)
+    return FENCE.sub(comments_only, text)
+
+
+def paragraphs(text: str):
+    """(first line number, text) of each paragraph, list item or table."""
+    start, lines = None, []
+    for number, line in enumerate(text.split("\n"), 1):
+        new_item = re.match(r"\s*(?:[-*] |\d+\. |\|)", line) and not line.startswith("|")
+        if not line.strip() or (new_item and lines):
+            if lines:
+                yield start, "\n".join(lines)
+            start, lines = None, []
+        if line.strip():
+            if start is None:
+                start = number
+            lines.append(line)
+    if lines:
+        yield start, "\n".join(lines)
+
+
+def unsourced_claims(text: str) -> list[tuple[int, str]]:
+    """The claims of ``text`` (markdown) whose paragraph names no existing results file."""
+    found = []
+    for line, para in paragraphs(_strip_blocks(text)):
+        sources = SOURCE.findall(para)
+        if sources and all((ROOT / "benchmarks" / "results" / s).exists() for s in sources):
+            continue
+        prose = INLINE_CODE.sub(" ", para)
+        for allowed in ALLOWED:
+            prose = re.sub(allowed, " ", prose)
+        claims = [m.group(0) for m in CLAIM.finditer(prose)] + VAGUE.findall(prose)
+        found += [(line, c) for c in claims]
+    return found
+
+
+def example_prose(path: Path) -> str:
+    """The comments and docstrings of an example, as paragraphs."""
+    text = path.read_text()
+    docstrings = re.findall(r'"""(.*?)"""', text, re.S)
+    comments = [m.group(1) for m in re.finditer(r"#\s?(.*)$", text, re.M)]
+    return "\n\n".join(docstrings + comments)
+
+
+@pytest.mark.parametrize("page", PAGES + EXAMPLES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_number_has_a_source(page):
+    text = example_prose(page) if page.suffix == ".py" else page.read_text()
+    found = unsourced_claims(text)
+    assert not found, (
+        f"{page.relative_to(ROOT)}: numbers with no results file in their paragraph "
+        f"(link benchmarks/results/..., or remove them): {found}"
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Compressed, it sends 5-20x less traffic than Adam.",
+        "- DiLoCo: 200-400x with int8 or int4.",
+        "The demo takes about 10 minutes.",
+        "CPU timings move by 5-10% between runs.",
+        "One all-reduce per H steps gives hundreds of times less traffic.",
+        "It ends 3.3% better.",
+        "A sync of 8.4 MB takes 0.67 s.",
+        "Rounds vary.\n<!-- BEGIN sourced: benchmarks/results/no_such_file.json -->\n"
+        "<!-- END sourced -->\n2x faster.",
+    ],
+)
+def test_unsourced_numbers_are_caught(text):
+    try:
+        assert unsourced_claims(text)
+    except AssertionError as e:  # a sourced block naming a missing file fails loudly too
+        assert "does not exist" in str(e) or not str(e)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "1-bit: about 32x fewer bytes than fp32.",
+        "Two processes on a link shaped to 1 Gbit/s, buckets of 256 KiB, a v5e 2x2.",
+        "DeMo: 55.4x fewer bytes (`benchmarks/results/time_to_loss_small_100mbit.json`).",
+        "<!-- BEGIN generated: choose (x) -->\n| 5.7x less |\n<!-- END generated: choose -->",
+        "```python\nx = 5e-2 * 10  # a setting\n```",
+    ],
+)
+def test_definitions_and_sourced_numbers_pass(text):
+    assert unsourced_claims(text) == []

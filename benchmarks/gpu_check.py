@@ -15,9 +15,27 @@ with ``B`` the bucket size, set before JAX starts):
    the share of collective bytes with compute scheduled inside their
    async window (read from the compiled schedule), and a correctness check: during 1-bit
    Adam's warm-up the two optimizers are the same algorithm, so their parameters must agree.
+   On one device every collective is a local no-op: the times are then the compression's
+   compute and memory cost with a free wire, not a multi-GPU speed.
+4. **The whole train step, the README's calls**: every optimizer of ``step_models.methods``
+   (default arguments, short warm-ups so that a few steps reach the steady phases) through
+   ``jc.make_train_step`` on ``jax.make_mesh((n,), ("dp",))`` over every GPU present, against
+   a local ``optax.adam`` step (plain ``jax.jit``, donated) on one device's batch; on a
+   GPT-style LM (12 layers, d 768, 12 heads, sequence 1024, 8 sequences per device,
+   vocabulary 32768; bf16 matmuls, fp32 parameters) and on an 8 x 4096^2 fp32 MLP (512 rows
+   per device). Per row: the step time after the warm-up (median; for DiLoCo and 0/1 Adam the
+   mean over whole cycles of their steady phases: one sync every 16 steps, and sync / local
+   steps alternating), its ratio to the local step, XLA's bytes accessed of the step's
+   compiled program (cost analysis, per device), the seconds to build, compile and run the
+   warm-up, how many programs were compiled after the first step (and inside the timed
+   window), and the final loss (the data are two random batches repeated: a speed test; with
+   warm-ups this short 1-bit Adam may diverge). ``--budget-s`` bounds the whole run: a row
+   that would end past it is skipped (and recorded as skipped); the rows run most important
+   first.
 
-``--cpu`` runs the same code on 8 simulated CPU devices at small sizes (what the test suite
-does, so the script cannot rot); CPU figures measure nothing about a GPU.
+``--json OUT`` is rewritten after every section and row, so an interrupted run keeps what it
+measured. ``--cpu`` runs the same code on 8 simulated CPU devices at small sizes (what the
+test suite does, so the script cannot rot); CPU figures measure nothing about a GPU.
 
 Usage::
 
@@ -28,8 +46,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform as platform_module
 import statistics
 import subprocess
 import sys
@@ -60,6 +80,13 @@ def _parse(argv):
     p.add_argument("--small", action="store_true", help="small sizes (the CPU test's)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per stage/step")
     p.add_argument("--skip-overlap", action="store_true", help="skip section 2")
+    p.add_argument("--sections", default="1,2,3,4", help="which sections to run")
+    p.add_argument("--train-models", default="gpt,mlp", help="section 4's models, in order")
+    p.add_argument("--train-methods", default=",".join(TRAIN_ORDER),
+                   help="section 4's rows, in order (local first: the others' baseline)")
+    p.add_argument("--train-steps", type=int, default=10, help="timed steps per row (section 4)")
+    p.add_argument("--budget-s", type=float, default=380.0,
+                   help="wall seconds for the whole run: section 4 skips rows past it")
     p.add_argument("--json", metavar="OUT")
     return p.parse_args(argv)
 
@@ -239,6 +266,227 @@ def run_steps(layers: int, width: int, batch: int, bucket: int, steps: int) -> d
 
 
 # ---------------------------------------------------------------------------------------------
+# 4. The whole train step, the README's calls with default arguments.
+
+#: Section 4's rows, most important first (a run out of budget skips the last ones).
+TRAIN_ORDER = ("local", "exact", "onebit_adam", "int8_ef", "zero_one_adam", "diloco", "demo",
+               "onebit_lamb")  # fmt: skip
+#: A row's build, compile and warm-up seconds as a multiple of the local row's on the same model
+#: (its programs to compile: 1-bit Adam three, 0/1 Adam up to four; from the first H200 run),
+#: to skip a row that would end past the budget before starting it.
+ROW_COST = {"local": 1.0, "exact": 1.0, "int8_ef": 1.0, "int4_ef": 1.0, "onebit_adam": 2.8,
+            "zero_one_adam": 3.8, "diloco": 1.9, "demo": 1.9, "onebit_lamb": 2.8}  # fmt: skip
+#: Learning rates: the LM's usual 3e-4; the MLP's 1e-3.
+TRAIN_LR = {"gpt": 3e-4, "mlp": 1e-3}
+
+
+class CompileCounter:
+    """Counts XLA compiles (JAX's backend-compile duration events) from its creation on."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+    _instance: CompileCounter | None = None
+
+    def __init__(self) -> None:
+        import jax.monitoring
+
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+    @classmethod
+    def get(cls) -> CompileCounter:
+        if cls._instance is None:  # one listener per process (JAX cannot remove one)
+            cls._instance = cls()
+        return cls._instance
+
+
+def train_models(small: bool) -> dict:
+    """name -> a function building ``(description, params, loss_fn, one device's batches)``
+    (two batches, used in turn)."""
+    import jax
+    from step_models import GPT_SMALL, GPT_TINY, make_loss, mlp, mlp_batch
+
+    out = {}
+    cfg = GPT_TINY if small else GPT_SMALL
+
+    def gpt():
+        batches = [cfg.batch(cfg.batch_per_device, seed) for seed in (0, 1)]
+        desc = dict(cfg.__dict__, parameters=cfg.num_params(), dtype="fp32 params, bf16 matmuls")
+        return desc, cfg.init(jax.random.key(0)), make_loss(cfg), batches
+
+    layers, width, rows = (2, 64, 8) if small else (8, 4096, 512)
+
+    def mlp_model():
+        params, loss_fn = mlp(layers, width)
+        batches = [mlp_batch(rows, width, seed) for seed in (0, 1)]
+        desc = dict(layers=layers, width=width, batch_per_device=rows, dtype="float32",
+                    parameters=layers * (width * width + width))  # fmt: skip
+        return desc, params, loss_fn, batches
+
+    out["gpt"], out["mlp"] = gpt, mlp_model
+    return out
+
+
+def _stack_rows(batch, n: int):
+    """One device's batch repeated for ``n`` devices (the global batch)."""
+    import jax
+    import numpy as np
+
+    return jax.tree.map(lambda x: np.concatenate([x] * n), batch)
+
+
+def train_row(method, mesh, params, loss_fn, batches, lr: float, steps: int) -> dict:
+    """Build, warm up and time one optimizer's step (see section 4 of the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from step_models import bytes_accessed, local_adam_step
+
+    import jaxcomm as jc
+
+    counter = CompileCounter.get()
+    n = mesh.devices.size
+    cycle = method.cycle
+    timed = -(-max(steps, cycle) // cycle) * cycle  # whole cycles of the steady phases
+    t0 = time.perf_counter()
+    c0 = counter.count
+    if method.make is None:  # the baseline: one device, one device's batch
+        dev = mesh.devices.flat[0]
+        fn, opt = local_adam_step(loss_fn, lr)
+        # Copies: the step donates them, and device_put may alias the caller's arrays.
+        own = jax.tree.map(lambda x: jnp.array(jax.device_put(x, dev), copy=True), params)
+        carry = [own, jax.device_put(opt.init(own), dev)]  # committed, as the step returns
+        placed = [jax.device_put(b, dev) for b in batches]
+        step_obj = None
+
+        def run(i):
+            carry[0], carry[1], loss = fn(carry[0], carry[1], placed[i % 2])
+            return loss
+
+        def lower():
+            return fn.lower(carry[0], carry[1], placed[0])
+    else:
+        step_obj, state = jc.make_train_step(mesh, "dp", loss_fn, method.make(), params)
+        split = NamedSharding(mesh, P("dp"))
+        placed = [jax.device_put(_stack_rows(b, n), split) for b in batches]  # placed once
+        carry = [state]
+
+        def run(i):
+            carry[0], loss = step_obj(carry[0], placed[i % 2])
+            return loss
+
+        def lower():
+            return step_obj.lower(carry[0], placed[0])
+
+    loss = jax.block_until_ready(run(0))
+    first_s = time.perf_counter() - t0
+    c1 = counter.count
+    for i in range(1, method.warmup):
+        loss = run(i)
+    jax.block_until_ready(loss)
+    warm_s = time.perf_counter() - t0
+    c2 = counter.count
+    times = []
+    for i in range(method.warmup, method.warmup + timed):
+        t = time.perf_counter()
+        loss = jax.block_until_ready(run(i))  # one step at a time: the step's own latency
+        times.append(time.perf_counter() - t)
+    c3 = counter.count
+    # The compiled program of the state's phase (jit's cache: no new compile).
+    accessed = bytes_accessed(lower().compile())
+    amortised = cycle > 1
+    step_s = statistics.fmean(times) if amortised else statistics.median(times)
+    out = dict(
+        method=method.name, call=method.call, devices=n, step_ms=step_s * 1e3,
+        step_is="mean over whole cycles" if amortised else "median",
+        median_ms=statistics.median(times) * 1e3, max_ms=max(times) * 1e3,
+        times_ms=[t * 1e3 for t in times], warmup_steps=method.warmup, timed_steps=timed,
+        bytes_accessed=accessed, first_step_s=first_s, compile_and_warmup_s=warm_s,
+        compiles_first_step=c1 - c0, compiles_after_first_step=c3 - c1,
+        compiles_in_timed_window=c3 - c2, final_loss=float(loss),
+        loss_finite=bool(np.isfinite(float(loss))),
+    )  # fmt: skip
+    if step_obj is not None and step_obj.phased is not None:
+        out["phases_compiled"] = [list(v) for v in step_obj.compiled_phases]
+        out["phase_labels"] = [method.phase_label(v) for v in step_obj.compiled_phases]
+    carry.clear()  # free the state before the next row
+    return out
+
+
+def run_train_rows(args, small: bool, t_start: float, record) -> dict:
+    """Section 4: every (model, method) row within the budget; ``record()`` saves progress."""
+    import jax
+    from step_models import methods
+
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.make_mesh((n,), ("dp",))
+    models = train_models(small)
+    out: dict = {"devices": n, "models": {}, "rows": [], "budget_s": args.budget_s}
+    order = [m for m in args.train_methods.split(",") if m]
+    print(f"{'model':<5} {'method':<14}{'step ms':>9}{'vs local':>9}{'accessed':>11}"
+          f"{'vs local':>9}{'warm s':>8}{'compiles':>9}{'loss':>11}")  # fmt: skip
+    for model_name in [m for m in args.train_models.split(",") if m]:
+        desc, params, loss_fn, batches = models[model_name]()
+        out["models"][model_name] = desc
+        table = methods(TRAIN_LR[model_name])
+        base: dict | None = None
+        for name in order:
+            method = table[name]
+            elapsed = time.perf_counter() - t_start
+            guess = None if base is None else ROW_COST.get(name, 3.0) * base["row_s"]
+            row: dict = dict(model=model_name, method=name, call=method.call)
+            if elapsed > args.budget_s or (guess is not None and elapsed + guess > args.budget_s):
+                row.update(skipped=f"budget: {elapsed:.0f} s of {args.budget_s:.0f} s used"
+                           + ("" if guess is None else f", this row needs ~{guess:.0f} s"))
+                out["rows"].append(row)
+                print(f"{model_name:<5} {name:<14} skipped ({row['skipped']})")
+                record()
+                continue
+            t_row = time.perf_counter()
+            try:
+                row.update(train_row(method, mesh, params, loss_fn, batches,
+                                     TRAIN_LR[model_name], args.train_steps))  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - the report records any failure
+                row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            row["row_s"] = time.perf_counter() - t_row
+            if name == "local" and "error" not in row:
+                base = row
+            if base is not None and "step_ms" in row:
+                row["ratio"] = row["step_ms"] / base["step_ms"]
+                if row.get("bytes_accessed") and base.get("bytes_accessed"):
+                    row["bytes_ratio"] = row["bytes_accessed"] / base["bytes_accessed"]
+            out["rows"].append(row)
+            print_train_row(row)
+            record()
+        del params, batches
+    return out
+
+
+def _gb(b) -> str:
+    if b is None:
+        return "-"
+    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"
+
+
+def print_train_row(r: dict) -> None:
+    if "error" in r:
+        print(f"{r['model']:<5} {r['method']:<14} error: {r['error'][:200]}")
+        return
+    ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
+    bratio = f"{r['bytes_ratio']:.2f}x" if "bytes_ratio" in r else "-"
+    compiles = f"{r['compiles_after_first_step']}/{r['compiles_in_timed_window']}"
+    print(f"{r['model']:<5} {r['method']:<14}{r['step_ms']:>9.2f}{ratio:>9}"
+          f"{_gb(r['bytes_accessed']):>11}{bratio:>9}{r['compile_and_warmup_s']:>8.1f}"
+          f"{compiles:>9}{r['final_loss']:>11.4g}", flush=True)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
 # 2. Overlap: benchmarks/overlap_gpu.py in its own processes (it sets XLA_FLAGS per mode).
 
 
@@ -268,54 +516,97 @@ def main(argv=None) -> int:
 
     import jaxcomm as jc
 
+    t_start = time.perf_counter()
+    CompileCounter.get()  # listening before the first compile
     devices = jax.devices()
     if not args.cpu and devices[0].platform != "gpu":
         print(f"no GPU: JAX sees {devices[0].platform} devices (use --cpu for a smoke run)")
         return 1
+    sections = {s.strip() for s in args.sections.split(",")}
     repeats = args.repeats or (3 if args.small else 20)
-    t_start = time.perf_counter()
     kind, platform = devices[0].device_kind, devices[0].platform
     print(f"{len(devices)} x {kind} ({platform}), jax {jax.__version__}")
     print(f"XLA_FLAGS={flags!r}")
     if args.cpu:
         gpu_flags = jc.xla_flags("gpu", combine_threshold_bytes=bucket)
         print(f"(the GPU run sets XLA_FLAGS={gpu_flags!r})")
-    result: dict = {"xla_flags": flags, "devices": len(devices),
-                    "device_kind": devices[0].device_kind, "sizes": size}  # fmt: skip
+    result: dict = {"command": " ".join(["python", *sys.argv]) if argv is None else argv,
+                    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    "versions": _versions(), "xla_flags": flags, "devices": len(devices),
+                    "device_kind": devices[0].device_kind, "platform": platform,
+                    "sizes": size, "sections": sorted(sections)}  # fmt: skip
 
-    print(f"\n1. compress / decompress on one device, {size['stage_mb']} MiB fp32 buffers")
-    stages = run_stages(size["stage_mb"], repeats)
-    print(f"{'stage':<20}{'ms':>10}{'GB/s':>10}{'of copy':>9}")
-    for r in stages:
-        print(f"{r['stage']:<20}{r['seconds'] * 1e3:>10.3f}{r['gbps']:>10.1f}{r['of_copy']:>9.0%}")
-    result["stages"] = stages
+    def record() -> None:
+        result["wall_s"] = time.perf_counter() - t_start
+        if args.json:  # after every section and row: an interrupted run keeps its results
+            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
 
-    print("\n2. overlap of bucketed collectives with the backward pass (overlap_gpu.py)")
-    result["overlap"] = None if args.skip_overlap else run_overlap(size["overlap"], args.cpu)
+    record()
+    one = len(devices) < 2
+    if "1" in sections:
+        print(f"\n1. compress / decompress on one device, {size['stage_mb']} MiB fp32 buffers")
+        stages = run_stages(size["stage_mb"], repeats)
+        print(f"{'stage':<20}{'ms':>10}{'GB/s':>10}{'of copy':>9}")
+        for r in stages:
+            print(f"{r['stage']:<20}{r['seconds'] * 1e3:>10.3f}{r['gbps']:>10.1f}"
+                  f"{r['of_copy']:>9.0%}")  # fmt: skip
+        result["stages"] = stages
+        record()
 
-    print(f"\n3. 1-bit Adam against exact Adam, {size['layers']} x {size['width']}^2 MLP, "
-          f"bucket {bucket} B, {len(devices)} devices")  # fmt: skip
-    steps = run_steps(size["layers"], size["width"], size["batch"], bucket, size["steps"])
-    print(f"{'optimizer':<12}{'phase':>14}{'step ms':>10}{'wire/dev':>12}{'async':>8}"
-          f"{'overlap':>9}")  # fmt: skip
-    for name in ("exact Adam", "1-bit Adam"):
-        r = steps[name]
-        ov = "-" if r["overlap_fraction"] is None else f"{r['overlap_fraction']:.0%}"
-        print(f"{name:<12}{str(tuple(r['phases'])):>14}{r['median_s'] * 1e3:>10.2f}"
-              f"{r['wire_bytes']:>12.0f}{str(r['async_pairs']) + '/' + str(r['collectives']):>8}"
-              f"{ov:>9}")  # fmt: skip
-    print(f"1-bit Adam speed-up over exact: {steps['speedup']:.2f}x; warm-up parameters agree "
-          f"to {steps['warmup_max_abs_diff']:.2e}")  # fmt: skip
-    if len(devices) < 2:
-        print("(one device: collectives are no-ops, the step times show compression's cost only)")
-    result["train_step"] = steps
-    result["wall_s"] = time.perf_counter() - t_start
+    if "2" in sections:
+        print("\n2. overlap of bucketed collectives with the backward pass (overlap_gpu.py)")
+        result["overlap"] = None if args.skip_overlap else run_overlap(size["overlap"], args.cpu)
+        record()
+
+    if "3" in sections:
+        what = ("one device: collectives are local no-ops, so this measures the compression's "
+                "compute and memory cost with a free wire" if one else
+                f"{len(devices)} devices: compression and the wire")  # fmt: skip
+        print(f"\n3. 1-bit Adam against exact Adam, {size['layers']} x {size['width']}^2 MLP, "
+              f"bucket {bucket} B ({what})")  # fmt: skip
+        steps = run_steps(size["layers"], size["width"], size["batch"], bucket, size["steps"])
+        steps["measures"] = what
+        print(f"{'optimizer':<12}{'phase':>14}{'step ms':>10}{'wire/dev':>12}{'async':>8}"
+              f"{'overlap':>9}")  # fmt: skip
+        for name in ("exact Adam", "1-bit Adam"):
+            r = steps[name]
+            ov = "-" if r["overlap_fraction"] is None else f"{r['overlap_fraction']:.0%}"
+            print(f"{name:<12}{str(tuple(r['phases'])):>14}{r['median_s'] * 1e3:>10.2f}"
+                  f"{r['wire_bytes']:>12.0f}"
+                  f"{str(r['async_pairs']) + '/' + str(r['collectives']):>8}{ov:>9}")  # fmt: skip
+        print(f"1-bit Adam speed-up over exact: {steps['speedup']:.2f}x; warm-up parameters "
+              f"agree to {steps['warmup_max_abs_diff']:.2e}")  # fmt: skip
+        result["train_step"] = steps
+        record()
+
+    if "4" in sections:
+        print(f"\n4. the whole train step, the README's calls with default arguments, "
+              f"{len(devices)} device(s) on 'dp' against a local optax.adam step"
+              + (" (one device: no wire; compression compute and memory only)" if one else ""))
+        print("(step ms: median, or the mean over whole cycles for diloco and zero_one_adam; "
+              "accessed: XLA's bytes accessed per step; compiles: after step 1 / in the timed "
+              "window)")  # fmt: skip
+        result["train_steps"] = {}
+        result["train_steps"] = run_train_rows(args, args.small, t_start, record)
+        record()
+
+    record()
     print(f"\ntotal {result['wall_s']:.0f} s")
     if args.cpu:
         print("(CPU smoke run: these figures say nothing about a GPU)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     return 0
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform_module.python_version()}
+    for pkg in ("jax", "jaxlib", "optax", "flax"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
 
 
 if __name__ == "__main__":

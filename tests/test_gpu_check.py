@@ -75,10 +75,21 @@ def test_stage_byte_counts_are_what_the_arrays_hold(stages, x):
         assert moved(N) == read + written, name
 
 
-def test_gpu_check_runs_on_cpu(tmp_path):
-    out = tmp_path / "check.json"
-    assert gpu_check.main(["--cpu", "--small", "--json", str(out)]) == 0
-    r = json.loads(out.read_text())
+#: Section 4's rows in the smoke run: the baseline, an unphased, a phased and a cyclic optimizer.
+TRAIN_METHODS = ["local", "exact", "onebit_adam", "diloco"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check") / "check.json"
+    argv = ["--cpu", "--small", "--json", str(out), "--train-models", "mlp",
+            "--train-methods", ",".join(TRAIN_METHODS), "--budget-s", "1e9"]  # fmt: skip
+    assert gpu_check.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_gpu_check_runs_on_cpu(report):
+    r = report
     assert [s["stage"] for s in r["stages"]][0].startswith("copy")
     assert all(s["seconds"] > 0 for s in r["stages"])
     # overlap_gpu.py ran both modes in their own processes.
@@ -95,3 +106,34 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert steps["exact Adam"]["wire_bytes"] == pytest.approx(exact, rel=1e-3)
     # Up to a few scalar flags and counters beside the signs.
     assert onebit <= steps["1-bit Adam"]["wire_bytes"] <= onebit + 64 * n
+
+
+def test_train_rows(report):
+    """Section 4: every row timed against the local step, its program's bytes accessed read,
+    no compile inside the timed window, DiLoCo timed over one whole cycle."""
+    t = report["train_steps"]
+    rows = {row["method"]: row for row in t["rows"]}
+    assert [row["method"] for row in t["rows"]] == TRAIN_METHODS
+    assert all("error" not in row and "skipped" not in row for row in rows.values()), rows
+    assert rows["local"]["ratio"] == 1.0 and rows["local"]["devices"] == t["devices"]
+    for row in rows.values():
+        assert row["step_ms"] > 0 and row["bytes_accessed"] > 0  # XLA:CPU has a cost analysis
+        assert row["bytes_ratio"] == pytest.approx(
+            row["bytes_accessed"] / rows["local"]["bytes_accessed"]
+        )
+        assert row["compiles_in_timed_window"] == 0, row
+        assert row["compiles_first_step"] >= 1
+        assert row["loss_finite"]
+    assert rows["diloco"]["timed_steps"] == 16 and rows["diloco"]["step_is"].startswith("mean")
+    assert set(rows["diloco"]["phase_labels"]) == {"inner", "sync"}
+    assert "1-bit" in rows["onebit_adam"]["phase_labels"]
+    assert rows["exact"]["timed_steps"] == 10 and rows["exact"]["step_is"] == "median"
+
+
+def test_train_rows_past_the_budget_are_skipped(tmp_path):
+    out = tmp_path / "skip.json"
+    argv = ["--cpu", "--small", "--sections", "4", "--budget-s", "0", "--json", str(out)]
+    assert gpu_check.main(argv) == 0
+    rows = json.loads(out.read_text())["train_steps"]["rows"]
+    assert len(rows) == 2 * len(gpu_check.TRAIN_ORDER)
+    assert all(row["skipped"].startswith("budget") for row in rows)

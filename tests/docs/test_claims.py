@@ -6,8 +6,9 @@ docstrings of examples/*.py, each claim must sit in a paragraph (or list item, o
 names its source: a results file under ``benchmarks/results/`` that exists, or inside a block
 rendered from one (``<!-- BEGIN generated: ... -->``, see ``benchmarks/render_tables.py``) or
 quoted from one (``<!-- BEGIN sourced: benchmarks/results/FILE -->`` ... ``<!-- END sourced
--->``). Inline code and the code of fenced blocks are settings, not claims (their comments are
-read). A few numbers are definitions, not measurements, and are allowed anywhere: ``ALLOWED``.
+-->``). Inline code, indented code blocks and the code of fenced blocks are settings or
+formulas, not claims (the comments of fenced blocks are read). A few numbers are definitions,
+not measurements, and are allowed anywhere: ``ALLOWED``.
 """
 
 import re
@@ -91,6 +92,8 @@ def unsourced_claims(text: str) -> list[tuple[int, str]]:
     """The claims of ``text`` (markdown) whose paragraph names no existing results file."""
     found = []
     for line, para in paragraphs(_strip_blocks(text)):
+        if all(row.startswith(("    ", "\t")) for row in para.split("\n")):
+            continue  # an indented code block (a formula)
         sources = SOURCE.findall(para)
         if sources and all((ROOT / "benchmarks" / "results" / s).exists() for s in sources):
             continue
@@ -149,6 +152,7 @@ def test_unsourced_numbers_are_caught(text):
         "DeMo: 55.4x fewer bytes (`benchmarks/results/time_to_loss_small_100mbit.json`).",
         "<!-- BEGIN generated: choose (x) -->\n| 5.7x less |\n<!-- END generated: choose -->",
         "```python\nx = 5e-2 * 10  # a setting\n```",
+        "Each device sends\n\n    2 (n - 1) / n  x  N  x  b / 8  bytes,\n\nper step.",
     ],
 )
 def test_definitions_and_sourced_numbers_pass(text):

@@ -25,6 +25,7 @@ from jaxcomm.comm.buckets import (
     flatten_bucket,
     flatten_bucket_rank_major,
     map_buckets,
+    split_concatenated,
     split_shard,
     unflatten_bucket,
 )
@@ -48,6 +49,18 @@ def _as_requested(out: jax.Array, compressor: Compressor, mean: bool, axis_size:
     if mean == compressor.returns_mean:
         return out
     return out / axis_size if mean else out * axis_size
+
+
+def _leaves_as_requested(out, bucket, compressor: Compressor, mean: bool, axis_size: int):
+    """A bucket's flat output as its leaves, each scaled as requested after the split: a scale
+    over the whole bucket before it would be one pass per leaf over the whole bucket in XLA's
+    accounting (each leaf's fusion reads the scaled buffer it slices)."""
+    return [
+        _as_requested(piece, compressor, mean, axis_size).reshape(shape).astype(dtype)
+        for piece, shape, dtype in zip(
+            split_concatenated(out, bucket), bucket.shapes, bucket.dtypes, strict=True
+        )
+    ]
 
 
 def _fallback_leaves(fallback: PyTree, leaves: list, treedef) -> list:
@@ -157,6 +170,8 @@ def reduce_tree(
                     buf, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size
                 )
                 finites.append(finite)
+            if not (scatter or bucket.exact):
+                return _leaves_as_requested(out, bucket, comp, mean, axis_size), bucket_state
             out = _as_requested(out, comp, mean, axis_size)
         dtypes = [out.dtype] * len(bucket.leaf_ids) if bucket.exact else bucket.dtypes
         if scatter:

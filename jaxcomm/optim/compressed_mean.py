@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcomm.comm.axes import AxisName, canonical_axis
 from jaxcomm.comm.state import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit
 from jaxcomm.optim._common import (
@@ -37,7 +38,7 @@ class CompressedMeanState(NamedTuple):
 
 
 def compressed_mean(
-    axis_name: str,
+    axis_name: AxisName,
     compressor: Compressor | None = None,
     bucket_bytes: int | None = None,
     warmup_steps: int = 0,
@@ -71,6 +72,7 @@ def compressed_mean(
     Returns:
       An ``optax.GradientTransformation`` whose state is a :class:`CompressedMeanState`.
     """
+    axis_name = canonical_axis(axis_name)
     compressor = OneBit() if compressor is None else compressor
     check_compressor(compressor)
     bucket_bytes = static_bucket_bytes(bucket_bytes)

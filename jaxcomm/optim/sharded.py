@@ -45,6 +45,7 @@ and int8 weights about ``2 (n-1)/n * N`` (plus one fp32 scale per block), 4x les
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -54,6 +55,7 @@ from jax import lax
 from jax.extend.core import Var
 
 from jaxcomm._compat import bound_axis_size
+from jaxcomm.comm.axes import AxisName, canonical_axis
 from jaxcomm.comm.scatter_gather import (
     compressed_all_gather,
     compressed_pmean_scatter,
@@ -130,7 +132,7 @@ def _depends_on_inputs(fn, *args) -> bool:
     return any(isinstance(v, Var) and v in dependent for v in closed.jaxpr.outvars)
 
 
-def _axis_index(axis_name: str) -> jax.Array | None:
+def _axis_index(axis_name: AxisName) -> jax.Array | None:
     try:
         return lax.axis_index(axis_name)
     except NameError:
@@ -139,7 +141,7 @@ def _axis_index(axis_name: str) -> jax.Array | None:
 
 def sharded(
     tx: optax.GradientTransformation,
-    axis_name: str,
+    axis_name: AxisName,
     *,
     compressor: Compressor | None = None,
     gather_compressor: Compressor | None = None,
@@ -174,6 +176,7 @@ def sharded(
     ``init`` uses just the shapes (Adam's and Lion's zero moments do); one that stores parameter
     values (e.g. lookahead) is refused there with an error.
     """
+    axis_name = canonical_axis(axis_name)
     compressor = NoCompression() if compressor is None else compressor
     gather_compressor = NoCompression() if gather_compressor is None else gather_compressor
     check_compressor(compressor)
@@ -182,7 +185,8 @@ def sharded(
     keep_master = gather_compressor.lossy
 
     def init_fn(params):
-        n = resolve_axis_size(axis_name, axis_size)
+        sizes = resolve_axis_size(axis_name, axis_size)
+        n = math.prod(sizes) if isinstance(sizes, tuple) else sizes  # shards over every device
         index = _axis_index(axis_name)
         unbound = index is None
         if unbound:
@@ -196,7 +200,7 @@ def sharded(
             index = 0
         shards = shard_of(params, index, n)
         comm = init_state(
-            compressor, params, axis_size=n, bucket_bytes=bucket_bytes, op="reduce_scatter"
+            compressor, params, axis_size=sizes, bucket_bytes=bucket_bytes, op="reduce_scatter"
         )
         master = ()
         if keep_master:

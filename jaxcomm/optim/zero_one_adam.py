@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcomm.comm.axes import AxisName, canonical_axis
 from jaxcomm.comm.state import ReduceState, init_state, per_device
 from jaxcomm.compressors import Compressor, OneBit, keep_if
 from jaxcomm.optim._common import (
@@ -134,7 +135,7 @@ def zero_one_adam(
     local_step_scaler: int | None = None,
     local_step_clipper: int | None = None,
     *,
-    axis_name: str,
+    axis_name: AxisName,
     total_steps: int | None = None,
     compressor: Compressor | None = None,
     bucket_bytes: int | None = None,
@@ -235,6 +236,7 @@ def zero_one_adam(
     if interval_weighted_variance is None:
         interval_weighted_variance = not deepspeed_compat
 
+    axis_name = canonical_axis(axis_name)
     def init_fn(params):
         n = resolve_axis_size(axis_name, axis_size)
         zeros = zeros_f32(params)

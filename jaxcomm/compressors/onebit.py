@@ -87,9 +87,23 @@ def _plus_error(flat: jax.Array, error: jax.Array, sizes, axis_name) -> jax.Arra
     their slice of one buffer (``dynamic_update_slice`` in place).
     """
     numel, padded = flat.shape[0], error.shape[-1]
-    lead = error.shape[:-1]
     if numel == padded and len(sizes) <= 1:
         return flat.reshape(error.shape) + error
+
+    def fused(flat, error):
+        # GPU and TPU fuse the leaves' concatenation, the padding and the add into one pass.
+        return jnp.pad(flat, (0, padded - numel)).reshape(error.shape) + error
+
+    def by_leaf(flat, error):
+        return _plus_error_by_leaf(flat, error, sizes, axis_name)
+
+    return lax.platform_dependent(flat, error, cpu=by_leaf, default=fused)
+
+
+def _plus_error_by_leaf(flat: jax.Array, error: jax.Array, sizes, axis_name) -> jax.Array:
+    """:func:`_plus_error` on XLA:CPU, one leaf at a time (see there)."""
+    numel, padded = flat.shape[0], error.shape[-1]
+    lead = error.shape[:-1]
     # The barrier keeps XLA from folding the first update into a pad of zeros (slow again).
     buf = ensure_varying(lax.optimization_barrier(jnp.zeros(error.shape, flat.dtype)), axis_name)
     offset = 0

@@ -157,3 +157,27 @@ def test_unsourced_numbers_are_caught(text):
 )
 def test_definitions_and_sourced_numbers_pass(text):
     assert unsourced_claims(text) == []
+
+
+def test_the_changelog_says_the_net_change_without_lab_notes():
+    """Unreleased is what a user sees change (history stays in git): short, and without issue
+    numbers, commit hashes or scratch paths."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    unreleased = text[text.index("## [Unreleased]") : text.index("\n## [", text.index("## [U") + 1)]
+    assert unreleased.count("\n") < 120, "CHANGELOG's Unreleased: at most 120 lines"
+    assert not re.findall(r"\(#\d+|\bissue \d+|#\d+\)", unreleased, re.I)
+    assert not re.findall(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b", unreleased)
+    assert "/tmp/" not in unreleased
+
+
+def test_results_files_record_commands_a_user_can_run():
+    """The provenance of every results file names no scratch or checkout path."""
+    import json
+
+    for path in sorted((ROOT / "benchmarks" / "results").rglob("*.json")):
+        doc = json.loads(path.read_text())
+        runs = doc.get("runs") if isinstance(doc.get("runs"), list) else []
+        commands = [doc.get("command") or ""]
+        commands += [r.get("command", "") for r in runs if isinstance(r, dict)]
+        for text in [*commands, doc.get("note") or ""]:
+            assert not re.search(r"/tmp/|/work/|/home/", text), (path.name, text)

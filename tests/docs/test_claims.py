@@ -6,9 +6,10 @@ docstrings of examples/*.py, each claim must sit in a paragraph (or list item, o
 names its source: a results file under ``benchmarks/results/`` that exists, or inside a block
 rendered from one (``<!-- BEGIN generated: ... -->``, see ``benchmarks/render_tables.py``) or
 quoted from one (``<!-- BEGIN sourced: benchmarks/results/FILE -->`` ... ``<!-- END sourced
--->``). Inline code, indented code blocks and the code of fenced blocks are settings or
-formulas, not claims (the comments of fenced blocks are read). A few numbers are definitions,
-not measurements, and are allowed anywhere: ``ALLOWED``.
+-->``, whose every claimed number must appear in that file). Inline code, indented code
+blocks and the code of fenced blocks are settings or formulas, not claims (the comments of
+fenced blocks are read). A few numbers are definitions, not measurements, and are allowed
+anywhere: ``ALLOWED``.
 """
 
 import re
@@ -59,6 +60,11 @@ def _strip_blocks(text: str) -> str:
     def sourced(m: re.Match) -> str:
         path = ROOT / m.group(1)
         assert path.is_file(), f"a sourced block names {m.group(1)}, which does not exist"
+        source = path.read_text()
+        quoted = INLINE_CODE.sub(" ", m.group(2))
+        for claim in CLAIM.finditer(quoted):
+            for number in re.findall(NUMBER, claim.group(0)):
+                assert number in source, f"{number} ({claim.group(0)}) is not in {m.group(1)}"
         return blank(m)
 
     def comments_only(m: re.Match) -> str:
@@ -157,6 +163,13 @@ def test_unsourced_numbers_are_caught(text):
 )
 def test_definitions_and_sourced_numbers_pass(text):
     assert unsourced_claims(text) == []
+
+
+def test_a_sourced_block_quotes_its_file():
+    good = "<!-- BEGIN sourced: benchmarks/results/gpu_h200_one_device.md -->\n2.46 ms\n"
+    assert unsourced_claims(good + "<!-- END sourced -->") == []
+    with pytest.raises(AssertionError, match="is not in"):
+        unsourced_claims(good.replace("2.46", "1.23") + "<!-- END sourced -->")
 
 
 def test_the_changelog_says_the_net_change_without_lab_notes():

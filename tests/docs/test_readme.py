@@ -94,7 +94,7 @@ def test_docs_have_python_blocks_and_few_are_not_run():
 
 
 def test_the_readme_example_trains():
-    """The 30-second example fits its least-squares problem, which a linear model can fit
+    """The first example fits its least-squares problem, which a linear model can fit
     exactly: the last loss is under 1% of the first (the variance of the targets)."""
     block = block_containing(ROOT / "README.md", "jc.make_train_step")
     namespace = {}

@@ -42,6 +42,19 @@ from that step's input state, and a host thread runs the compressed mean (device
 around host-network exchanges) while the inner steps compute, merged at ``t_s + tau`` with the
 same result (:mod:`jaxcomm.optim.diloco_background`).
 
+Over a tuple of mesh axes, slowest first (``axis_name=("host", "local")`` on
+``jax.make_mesh((nodes, devices_per_node), ("host", "local"))``, as MaxText's ``diloco`` axis),
+the replicas ``r`` above are the *nodes*, the groups of the first (slow) axis: every inner step
+uses the exact mean of the gradients over the trailing (fast) axes, plain data parallel inside a
+node, so the devices of a node keep identical copies ``x_r``, and nothing crosses the slow link
+between syncs. A sync reduces the pseudo-gradients with the two-level transport
+(:mod:`jaxcomm.comm.two_level`): an exact reduce-scatter inside the node (of copies that are
+already equal there, so it only cuts them into ``1/L`` shares), the compressor across the slow
+axis on each device's share (``1/L`` of the outer gradient per device, with ``1/L`` of the
+error feedback), an exact all-gather inside the node. A device whose gradient is not finite
+makes its whole node skip that inner step. ``background=True`` takes one axis only; compressors
+that compress each leaf in its own shape (``jc.PowerSGD``) are refused over a tuple.
+
 Parameters are **per device** (like :func:`jaxcomm.zero_one_adam`): :mod:`jaxcomm.train.layout`
 stacks them ``(n, ...)`` with ``P(axis)`` because a :class:`DiLoCoState` is registered as
 keeping per-device parameters. The model to evaluate is the outer one,
@@ -75,6 +88,7 @@ import optax
 from jax import lax
 
 from jaxcomm.comm.all_reduce import compressed_pmean
+from jaxcomm.comm.axes import AxisName, canonical_axis, split_levels
 from jaxcomm.comm.state import init_state
 from jaxcomm.compressors import Compressor
 from jaxcomm.optim._common import varying
@@ -82,7 +96,7 @@ from jaxcomm.optim._skip import all_finite, check_skips, keep_error_feedback
 from jaxcomm.optim.diloco_background import BackgroundSpec, check_driven, register
 from jaxcomm.optim.diloco_inner import make_inner_step
 from jaxcomm.optim.diloco_outer import (
-    axis_size_of,
+    axis_sizes_of,
     check_leaves,
     check_update,
     make_outer_step,
@@ -104,14 +118,14 @@ def diloco(
     inner: optax.GradientTransformation,
     outer: optax.GradientTransformation,
     sync_every: int,
-    axis_name: str,
+    axis_name: AxisName,
     compressor: Compressor | None = None,
     fragments: int = 1,
     overlap_steps: int = 0,
     alpha: float = 0.0,
     *,
     bucket_bytes: int | None = None,
-    axis_size: int | None = None,
+    axis_size: int | tuple[int, ...] | None = None,
     max_consecutive_skips: int | None = 16,
     background: bool = False,
     sync_timeout: float = 300.0,
@@ -125,7 +139,10 @@ def diloco(
         pseudo-gradient ``theta - x`` (the papers: ``optax.sgd(0.7, momentum=0.9,
         nesterov=True)``). One outer state per fragment, over the fragment's list of leaves.
       sync_every: ``H``, steps between two syncs of a fragment (>= 1).
-      axis_name: the data-parallel axis the outer gradients are averaged over.
+      axis_name: the data-parallel axis the outer gradients are averaged over, or a tuple of
+        axes, slowest first (``("host", "local")``): the replicas are then the slow-axis
+        groups, inner steps average the gradients exactly over the fast axes, and only the
+        syncs send across the slow axis, compressed (see the module docstring).
       compressor: ``None`` (exact fp32 mean, one fused all-reduce) or a jaxcomm compressor,
         e.g. ``jc.Quantize(bits=4, error_feedback=True)``, ``jc.Quantize(bits=8,
         error_feedback=True)``, ``jc.OneBit()``, ``jc.TopK(0.01)``.
@@ -137,7 +154,8 @@ def diloco(
       bucket_bytes: bucket size of the outer-gradient all-reduce (``None``: one bucket per
         fragment).
       axis_size: devices on the axis, for ``init`` outside the axis (default: the bound axis
-        size, else ``jax.device_count()``).
+        size, else ``jax.device_count()``); for a tuple of axes the tuple of their sizes,
+        slowest first (default: the bound sizes).
       max_consecutive_skips: stop (``FloatingPointError``) once more than this many outer
         steps in a row were skipped as non-finite, or at a sync where a device has skipped more
         than this many inner steps in a row; ``None``: never (no host callback, no int32 max).
@@ -189,6 +207,19 @@ def diloco(
     if isinstance(alpha, int | float) and not 0.0 <= float(alpha) <= 1.0:
         raise ValueError(f"jaxcomm: diloco alpha must be in [0, 1], got {alpha!r}")
     compressor = check_compressor(compressor)
+    axis_name = canonical_axis(axis_name)
+    _, fast = split_levels(axis_name)
+    if fast and background:
+        raise ValueError(
+            f"jaxcomm: diloco background=True runs over one mesh axis, not the tuple "
+            f"{axis_name!r}: use background=False (the sync then runs in the step programs)"
+        )
+    if fast and not compressor.splits_into_shares:
+        raise ValueError(
+            f"jaxcomm: diloco over the tuple of axes {axis_name!r} exchanges 1-D shares of the "
+            f"outer gradients across {axis_name[0]!r}, and {type(compressor).__name__} "
+            "compresses each leaf in its own shape: use one axis, or another compressor"
+        )
     if background:
         if tau < 2:
             raise ValueError(
@@ -211,7 +242,7 @@ def diloco(
     def init_fn(params):
         leaves = jax.tree.leaves(params)
         check_leaves(leaves, F)
-        n = axis_size_of(axis_name, axis_size)
+        n, sizes = axis_sizes_of(axis_name, axis_size)
         theta = jax.tree.map(lambda p: jnp.asarray(p, f32), params)
         theta_leaves = jax.tree.leaves(theta)
         groups = fragment_leaves(len(leaves), F)
@@ -231,7 +262,7 @@ def diloco(
                 tuple([jnp.zeros_like(x) for x in part] for part in parts) if background else (),
             ),
             comm=tuple(
-                init_state(compressor, part, axis_size=n, bucket_bytes=bucket_bytes)
+                init_state(compressor, part, axis_size=sizes, bucket_bytes=bucket_bytes)
                 for part in parts
             ),
         )
@@ -254,6 +285,10 @@ def diloco(
         check_update(state, param_leaves, axis_name, F)
         if background:
             check_driven()
+        if fast:
+            # Over a tuple of axes a replica is a slow-axis group: its devices step together
+            # on the exact mean of their gradients (plain data parallel inside a node).
+            updates = lax.pmean(updates, fast)
         # Per device: a step whose gradient is not finite is not taken (diloco_inner).
         ok, inner_updates, inner_state = inner_step(
             updates, state.local.inner, params, jnp.ndim(state.local.nonfinite) == 1
@@ -365,6 +400,7 @@ def diloco(
 
     tx = optax.GradientTransformation(init_fn, update_fn)
     if background:
+        assert isinstance(axis_name, str)  # a tuple of axes is refused above
         register(
             update_fn,
             BackgroundSpec(compressor, axis_name, bucket_bytes, H, F, tau, float(sync_timeout)),

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxcomm.comm.axes import AxisName
 from jaxcomm.optim._common import varying
 from jaxcomm.optim._skip import all_finite
 
 
-def make_inner_step(inner: optax.GradientTransformation, axis_name: str) -> Callable:
+def make_inner_step(inner: optax.GradientTransformation, axis_name: AxisName) -> Callable:
     """``inner_step(updates, inner_state, params, blocked) -> (ok, inner_updates, inner_state)``.
 
     ``ok``: this device's gradient is finite (a float sum, see :func:`all_finite`); when it is

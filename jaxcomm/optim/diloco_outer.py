@@ -9,6 +9,7 @@ of the syncs with the number of steps it is sure to hold (a phase's ``steady``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -17,6 +18,8 @@ import optax
 from jax import lax
 
 from jaxcomm._compat import ensure_varying
+from jaxcomm.comm.axes import AxisName
+from jaxcomm.optim._common import resolve_axis_size
 from jaxcomm.optim._skip import all_finite
 from jaxcomm.optim.diloco_state import DiLoCoState, check_int
 from jaxcomm.optim.schedule import STEADY_FOREVER
@@ -30,6 +33,18 @@ def axis_size_of(axis_name, axis_size: int | None) -> int:
         return int(lax.axis_size(axis_name))
     except NameError:
         return jax.device_count()
+
+
+def axis_sizes_of(axis_name, axis_size) -> tuple[int, int | tuple[int, ...]]:
+    """``(devices, axis_size for jc.init_state)``: for one axis both are :func:`axis_size_of`;
+    for a tuple of axes the product of their sizes and the tuple of them, slowest first (the
+    given ``axis_size``, else the bound axes' sizes)."""
+    if isinstance(axis_name, str):
+        n = axis_size_of(axis_name, axis_size)
+        return n, n
+    sizes = resolve_axis_size(axis_name, axis_size)
+    sizes = sizes if isinstance(sizes, tuple) else (sizes,)
+    return math.prod(sizes), sizes
 
 
 def check_leaves(leaves: Sequence, fragments: int) -> None:
@@ -86,7 +101,7 @@ def periodic(t, period: int, offset: int, delay: int):
     return value, jnp.minimum(steady, STEADY_FOREVER)
 
 
-def make_outer_step(outer: optax.GradientTransformation, alpha, axis_name: str):
+def make_outer_step(outer: optax.GradientTransformation, alpha, axis_name: AxisName):
     """``outer_step(delta, theta, outer_state, local, counts) -> (theta, outer_state, local,
     counts)`` over a fragment's lists of leaves (``counts``: outer steps skipped, in all and in
     a row)."""

@@ -126,6 +126,10 @@ def test_train_rows(report):
         assert row["loss_finite"]
     assert rows["diloco"]["timed_steps"] == 16 and rows["diloco"]["step_is"].startswith("mean")
     assert set(rows["diloco"]["phase_labels"]) == {"inner", "sync"}
+    by_phase = rows["diloco"]["bytes_accessed_by_phase"]  # 15 inner steps and one sync
+    assert rows["diloco"]["bytes_accessed"] == pytest.approx(
+        (15 * by_phase["inner"] + by_phase["sync"]) / 16
+    )
     assert "1-bit" in rows["onebit_adam"]["phase_labels"]
     assert rows["exact"]["timed_steps"] == 10 and rows["exact"]["step_is"] == "median"
 

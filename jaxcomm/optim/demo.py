@@ -17,6 +17,7 @@ import optax
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
+from jaxcomm.comm.axes import AxisName, axis_names, canonical_axis, split_levels
 from jaxcomm.comm.state import per_device
 from jaxcomm.compressors import keep_if
 from jaxcomm.compressors.chunks import (
@@ -103,10 +104,33 @@ def _dct(chunks: jax.Array, plan: ChunkPlan, inverse: bool = False) -> jax.Array
     return t.reshape(chunks.shape)
 
 
+def gather_messages(packed: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Every replica's message ``packed`` (``(bytes,)`` uint8), stacked ``(replicas, bytes)``
+    and replicated.
+
+    One axis: an all-gather over it. A tuple of axes, slowest first: a replica is a node (a
+    group of the slow axis) whose devices hold the same message; device ``l`` of the ``L`` on
+    the fast axes sends only its ``1/L`` piece across the slow axis and the node's devices then
+    all-gather their pieces, so each device receives ``(S - 1)/L`` messages across the slow
+    link instead of ``S - 1``.
+    """
+    slow, fast = split_levels(axis_name)
+    if not fast:
+        return all_gather_replicated(ensure_varying(packed, slow), slow)
+    size = packed.shape[0]
+    pieces = int(lax.axis_size(fast))
+    width = -(-size // pieces)
+    rows = jnp.pad(packed, (0, pieces * width - size)).reshape(pieces, width)
+    mine = rows[lax.axis_index(fast)]
+    across = all_gather_replicated(ensure_varying(mine, axis_names(axis_name)), slow)  # (S, c)
+    nodes = all_gather_replicated(ensure_varying(across, fast), fast)  # (L, S, c)
+    return nodes.transpose(1, 0, 2).reshape(across.shape[0], pieces * width)[:, :size]
+
+
 def demo(
     learning_rate: optax.ScalarOrSchedule,
     *,
-    axis_name: str,
+    axis_name: AxisName,
     compression_decay: float = 0.999,
     top_k: int = 32,
     chunk_size: int = 64,
@@ -175,7 +199,12 @@ def demo(
 
     Args:
       learning_rate: a float or an optax schedule of the step count.
-      axis_name: the data-parallel axis.
+      axis_name: the data-parallel axis, or a tuple of axes, slowest first (``("host",
+        "local")``). Over a tuple a replica is a node, a group of the slow axis: its devices
+        step on the exact mean of their gradients over the fast axes (so they keep the same
+        momentum), and the messages are exchanged across the slow axis only, each device
+        sending ``1/L`` of its node's message there (``L`` devices on the fast axes) and the
+        node all-gathering the pieces over the fast axes.
       compression_decay: ``beta`` in ``[0, 1)``.
       top_k: coefficients kept per chunk (>= 1).
       chunk_size: the largest chunk side, 1 to 64 (offsets are coded in at most 12 bits).
@@ -206,6 +235,8 @@ def demo(
     if wire not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
         bad(f"value_dtype must be float32, bfloat16 or float16, got {value_dtype!r}")
     top_k, chunk_size = int(top_k), int(chunk_size)
+    axis_name = canonical_axis(axis_name)
+    _, fast = split_levels(axis_name)
 
     def init_fn(params):
         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -222,6 +253,8 @@ def demo(
         lr = learning_rate_at(learning_rate, state.count)
         beta = jnp.asarray(compression_decay, jnp.float32)
         grads, treedef = jax.tree.flatten(f32(updates))
+        if fast:  # a replica is a node: the exact mean of its devices' gradients
+            grads = lax.pmean(grads, fast)
         mus = treedef.flatten_up_to(state.local.mu)
         plans = [demo_plan(jnp.shape(g), chunk_size, top_k) for g in grads]
 
@@ -262,7 +295,7 @@ def demo(
                     ).reshape(-1),
                 ]
             )
-            parts = all_gather_replicated(ensure_varying(packed, axis_name), axis_name)
+            parts = gather_messages(packed, axis_name)
             n = parts.shape[0]
             raw = parts[:, offset_bytes(plans) :].reshape(n, total, wire.itemsize)
             all_values = lax.bitcast_convert_type(raw, wire).astype(jnp.float32)

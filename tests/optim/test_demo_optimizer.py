@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxcomm as jc
-from jaxcomm.inspect import collectives_in_hlo, wire_bytes
+from jaxcomm.inspect import collectives_in_hlo, wire_bytes, wire_bytes_by_axes
 from jaxcomm.optim.demo import message_bytes
 from tests.conftest import NUM_DEVICES
 from tests.reference.demo_reference import DemoModel, tiles
@@ -264,3 +264,42 @@ def test_reshard_averages_the_momenta_and_continues_as_the_model():
             atol=(h + w) * EPS * model4.scale[name], err_msg=name,
         )  # fmt: skip
     check_params(state4.params, want, u, 1, atol=4 * EPS * 4.0)
+
+
+def test_over_a_tuple_of_axes_a_replica_is_a_node():
+    """``axis_name=("host", "local")`` on a 2 x 4 mesh: each node steps on the exact mean of its
+    4 devices' gradients, as the NumPy model of 2 replicas does; a node's devices keep the same
+    momentum; across ``host`` each device sends 1/4 of its node's message (and the loss mean)."""
+    S, L = 2, 4
+    axes = ("host", "local")
+    mesh = jax.make_mesh((S, L), axes, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tx = jc.demo(LR, axis_name=axes, compression_decay=BETA, top_k=TOP_K, weight_decay=WD)
+    rng = np.random.default_rng(42)
+    params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
+    step, state = jc.make_train_step(mesh, axes, loss_fn, tx, params)
+    text = step.lower(state, batch(0)).compile().as_text()
+    across = sum(v for k, v in wire_bytes_by_axes(text, mesh).items() if "host" in k)
+    piece = -(-message_bytes(SHAPES.values(), top_k=TOP_K) // L)
+    assert (S - 1) * piece <= across <= (S - 1) * piece + 64, across
+    model = DemoModel(S, SHAPES, LR, beta=BETA, top_k=TOP_K, wd=WD)
+    want = numpy_tree(state.params)
+    for t in range(1, 4):
+        x = batch(t)
+        state, _ = step(state, x)
+        nodes = {
+            k: v.reshape(S, L, *v.shape[1:]).astype(np.float64).mean(1).astype(np.float32)
+            for k, v in x.items()
+        }
+        want, u = model.step(want, nodes)
+        for name, shape in SHAPES.items():
+            _, _, h, w = tiles(shape, 64)
+            m = np.asarray(state.opt_state.local.mu[name]).reshape(S, L, *shape)
+            for s in range(S):
+                for i in range(1, L):
+                    np.testing.assert_array_equal(m[s, i], m[s, 0], err_msg=name)
+            np.testing.assert_allclose(
+                m[:, 0], model.m[name], rtol=0, atol=(h + w) * EPS * model.scale[name] * t,
+                err_msg=name,
+            )  # fmt: skip
+        check_params(state.params, want, u, t, atol=4 * EPS * 4.0 * t)
+    assert int(state.opt_state.skipped_total) == 0

@@ -162,6 +162,26 @@ def record_phases() -> contextlib.AbstractContextManager[_Recording]:
     return _in_mode(_Recording())
 
 
+class _Cases:
+    """Collects each :func:`phase`'s number of cases, in trace order; the step stays the one
+    program with every branch."""
+
+    def __init__(self) -> None:
+        self.cases: list[int] = []
+
+    def take(self, value: jax.Array, cases: int, steady) -> jax.Array:
+        self.cases.append(cases)
+        return value
+
+
+def phase_cases(fn: Callable, *args) -> tuple[int, ...]:
+    """The ``cases`` of each :func:`phase` that ``fn(*args)`` asks for, in trace order (``fn``
+    is traced with ``jax.eval_shape``; ``args`` may be ``jax.ShapeDtypeStruct``)."""
+    with _in_mode(_Cases()) as mode:
+        jax.eval_shape(fn, *args)
+    return tuple(mode.cases)
+
+
 @contextlib.contextmanager
 def fixed_phases(values: Sequence[int]) -> Iterator[None]:
     """Trace under this to fix each :func:`phase` call, in order, to ``values``."""

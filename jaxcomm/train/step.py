@@ -73,6 +73,7 @@ class TrainStep:
         *,
         max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
         background: BackgroundSync | None = None,
+        place_abstract: Callable[[PyTree], PyTree] | None = None,
     ) -> None:
         if max_in_flight is not None and (
             isinstance(max_in_flight, bool)
@@ -86,6 +87,7 @@ class TrainStep:
         self.max_in_flight = max_in_flight
         self._queued: collections.deque = collections.deque()
         self.background = background  # runs jc.diloco(background=True)'s syncs
+        self._place_abstract = place_abstract  # a batch of jax.ShapeDtypeStruct, placed
 
     @property
     def phased(self) -> PhasedStep | None:
@@ -133,6 +135,41 @@ class TrainStep:
     def compiled_phases(self) -> list[tuple[int, ...]]:
         return self._need_phased().compiled_phases
 
+    def compile_all(
+        self, state: PyTree, batch: PyTree, *, steps: int | None = None
+    ) -> list[tuple[int, ...]]:
+        """Compiles every program a run from ``state`` will need, before the first batch.
+
+        ``batch`` is a global batch or its shapes (``jax.ShapeDtypeStruct`` leaves, placed as
+        a batch would be); ``state`` the state itself (its step counts are read). A
+        phase-specialised step compiles its probe and every phase combination its schedule
+        can reach (:meth:`jaxcomm.train.phased.PhasedStep.compile_all`; ``steps``: how many
+        steps the run has left, when known), which its first call otherwise does itself; a
+        single program compiles that program. Returns the combinations compiled for
+        (``[()]`` for a single program). ``compile_count`` counts the programs compiled.
+        """
+        leaves = jax.tree.leaves(batch)
+        abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
+        if any(abstract) and not all(abstract):
+            raise TypeError("jaxcomm: a batch is arrays or jax.ShapeDtypeStructs, not both")
+        if self._place_abstract is None:
+            raise TypeError(
+                "jaxcomm: compile_all is for make_train_step's steps (jax.pmap's ahead-of-time "
+                "compiles do not reach its calls)"
+            )
+        placed = self._place_abstract(batch) if any(abstract) else self._place(batch)
+        with driven():
+            if self.phased is not None:
+                return self.phased.compile_all(state, placed, steps=steps)
+            self._program.lower(state, placed).compile()
+        return [()]
+
+    @property
+    def compile_count(self) -> int:
+        """Programs the phase-specialised step has compiled (see
+        :attr:`jaxcomm.train.phased.PhasedStep.compile_count`)."""
+        return self._need_phased().compile_count
+
 
 def _split_batch_spec(axis_name: str, batch: PyTree) -> PyTree:
     return jax.tree.map(lambda _: P(axis_name), batch)
@@ -175,6 +212,7 @@ def make_train_step(
     specialize_phases: bool = True,
     max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
     mean_metrics: bool = True,
+    precompile: bool = True,
 ) -> tuple[TrainStep, TrainState]:
     """A jitted ``shard_map`` data-parallel train step and its initial state.
 
@@ -200,9 +238,13 @@ def make_train_step(
         0/1 Adam's four kinds of step, DiLoCo's inner and synchronising steps. Same results up
         to fp32 rounding, no ``lax.cond`` / ``lax.switch`` left in the program (whose
         pass-through copies and per-phase selects every step would pay), one compile per phase
-        seen. A call reads the phase of its input state (a few scalar ops, waiting for that
-        state) only where the schedule may have changed it (see ``steady`` in
+        (see ``precompile``). A call reads the phase of its input state (a few scalar ops,
+        waiting for that state) only where the schedule may have changed it (see ``steady`` in
         :func:`jaxcomm.phase`). ``False``: one program for every phase.
+      precompile: with ``specialize_phases``, the first call compiles every phase combination
+        the schedule can reach before it runs (``step.compile_all(state, batch)`` does it
+        before the first batch), so that no later step stops to compile; ``False``: each
+        when a step first needs it.
       max_in_flight: how many steps the host may dispatch ahead of the device before a call
         waits for the oldest (``None``: no bound). See :class:`jaxcomm.train.TrainStep`.
       mean_metrics: average the loss (and ``aux``) over the devices, one small all-reduce per
@@ -270,13 +312,27 @@ def make_train_step(
     donate_argnums = (0,) if donate else ()
     if specialize_phases:
         probe = functools.partial(global_step, probe=True)
-        program = PhasedStep(global_step, probe, donate_argnums=donate_argnums)
+        program = PhasedStep(
+            global_step, probe, donate_argnums=donate_argnums, precompile=precompile
+        )
     else:
         program = jax.jit(global_step, donate_argnums=donate_argnums)
     place = functools.partial(place_batch, mesh=mesh, axis_name=axis_name)
     spec = background_spec(tx)
     background = None if spec is None else BackgroundSync(spec, mesh, axis_name)
-    return TrainStep(program, place, max_in_flight=max_in_flight, background=background), state
+    rows = NamedSharding(mesh, P(axis_name))
+
+    def place_abstract(batch):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows), batch)
+
+    step = TrainStep(
+        program,
+        place,
+        max_in_flight=max_in_flight,
+        background=background,
+        place_abstract=place_abstract,
+    )
+    return step, state
 
 
 def _owned(tree: PyTree) -> PyTree:
@@ -306,6 +362,8 @@ def make_pmap_train_step(
     ``step.pmapped`` is the underlying ``pmap`` function (batch already ``(n, b, ...)``);
     with ``specialize_phases`` (as :func:`make_train_step`'s: one ``pmap`` per phase, chosen on
     the host) it is the :class:`jaxcomm.train.phased.PhasedStep`, and ``step.phased`` too.
+    Each program compiles when a step first needs it (``jax.pmap``'s ahead-of-time compiles
+    do not reach its calls: :func:`make_train_step` compiles them all on its first call).
 
     ``tx`` must average the gradients over ``axis_name`` (a jaxcomm optimizer, or an optax one
     chained after :func:`jaxcomm.compressed_mean`). :func:`make_train_step` refuses one that
@@ -343,6 +401,7 @@ def make_pmap_train_step(
             donate_argnums=donate_argnums,
             compile=compile_pmap,
             compile_probe=functools.partial(compile_pmap, out_axes=0),
+            precompile=False,
         )
     else:
         pmapped = compile_pmap(body, donate_argnums)

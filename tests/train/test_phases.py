@@ -76,14 +76,19 @@ def test_specialised_step_follows_the_single_program(mesh, name):
         mesh, "dp", loss_fn, make(jc.NoCompression()), params, specialize_phases=False
     )
     phased, s2 = jc.make_train_step(mesh, "dp", loss_fn, make(jc.NoCompression()), params)
+    seen = set()
     for _ in range(STEPS):
         s1, l1 = one(s1, batch)
         s2, l2 = phased(s2, batch)
+        seen.add(phased.last_phases)
         # The two programs contract multiply-adds differently: up to 8 fp32 ulps per value per
         # step, accumulated over the steps; x10 for the loss, a mean of squared residuals over
         # 24 features whose relative error grows where a residual is small.
         np.testing.assert_allclose(l2, l1, rtol=STEPS * 8 * 2**-24 * 10)
-    assert set(phased.compiled_phases) == phases
+    assert seen == phases
+    # Compiled on the first call: the combinations the schedule reaches (every value of 0/1
+    # Adam's kind, whose probe reads its intervals: a superset).
+    assert set(phased.compiled_phases) >= phases
     # States: the same 8 ulps x 12 steps (5.7e-6, rounded up to 1e-5); atol for entries near
     # 0 (moments and updates of size lr * ulp).
     for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2), strict=True):

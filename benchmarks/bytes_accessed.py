@@ -33,7 +33,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -94,6 +96,51 @@ def phases_of(method: Method, mesh) -> dict[tuple[int, ...], int]:
     return seen
 
 
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}  # fmt: skip
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
+
+
+def _shape_bytes(text: str) -> float:
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(text):
+        total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def breakdown(hlo_text: str, top: int) -> list[dict]:
+    """The ``top`` instructions of the compiled program's entry computation by bytes read and
+    written (output plus operands, as HLO cost analysis counts them; instructions inside
+    loops and conditionals are not listed), each with its kind and JAX op name: where a step's
+    traffic goes."""
+    lines = hlo_text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("ENTRY"))
+    sizes: dict[str, float] = {}
+    rows = []
+    for ln in lines[start + 1 :]:
+        if ln.startswith("}"):
+            break
+        m = _INSTR.match(ln)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        sizes[name] = _shape_bytes(shape)
+        if op in _FREE:
+            continue
+        args = rest.split(")", 1)[0]
+        read = sum(sizes.get(a, 0.0) for a in re.findall(r"%([\w.\-]+)", args))
+        where = re.search(r'op_name="([^"]*)"', ln)
+        kind = re.search(r"kind=(\w+)", ln)
+        rows.append(dict(name=name, op=op if kind is None else f"{op}:{kind.group(1)}",
+                         bytes=read + sizes[name], shape=shape[:80],
+                         op_name=where.group(1)[-100:] if where else ""))  # fmt: skip
+    rows.sort(key=lambda r: -r["bytes"])
+    return rows[:top]
+
+
 def abstract_step(mesh, tx, loss_fn: Callable, param_shapes: PyTree, batch_shapes: PyTree):
     """``(step, state, batch)``: ``jc.make_train_step`` on ``mesh`` with its initial state
     traced under ``jax.eval_shape`` (never computed), state and global batch as placed
@@ -151,6 +198,9 @@ def measure(args) -> dict:
     t0 = time.perf_counter()
     compiled = local.lower(shapes, jax.eval_shape(opt.init, shapes), batch).compile()
     base = bytes_accessed(compiled)
+    if args.breakdown:
+        for ins in breakdown(compiled.as_text(), args.breakdown):
+            print_instruction("local", ins)
     rows.append(dict(devices=1, method="local", call=table["local"].call, phase="step",
                      phase_values=[], bytes=base, ratio=1.0, target=1.0,
                      compile_s=time.perf_counter() - t0))  # fmt: skip
@@ -174,6 +224,8 @@ def measure(args) -> dict:
                 try:
                     compiled = step.program(values).lower(state, placed).compile()
                     row["bytes"] = bytes_accessed(compiled)
+                    if args.breakdown:
+                        row["top_instructions"] = breakdown(compiled.as_text(), args.breakdown)
                     row["ratio"] = None if row["bytes"] is None else row["bytes"] / base
                 except Exception as e:  # noqa: BLE001 - the table records any failure
                     row.update(bytes=None, ratio=None, error=f"{type(e).__name__}: {e}"[:2000])
@@ -181,6 +233,8 @@ def measure(args) -> dict:
                 row["within_target"] = row["ratio"] is not None and row["ratio"] <= row["target"]
                 rows.append(row)
                 print_row(row, flush=True)
+                for ins in row.get("top_instructions", []):
+                    print_instruction("", ins)
                 write(args.json, report)
     return report
 
@@ -228,6 +282,11 @@ def print_row(r: dict, flush: bool = False) -> None:
           f"{r['target']:>7.2f}x  {ok}", flush=flush)  # fmt: skip
 
 
+def print_instruction(prefix: str, ins: dict) -> None:
+    print(f"{prefix:<7}{ins['bytes'] / 1e9:8.3f} GB  {ins['op']:<22}{ins['shape'][:34]:<36}"
+          f"{ins['op_name']}")  # fmt: skip
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
@@ -236,6 +295,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None, help="rows per device (512 MLP, 8 GPT)")
     p.add_argument("--devices", default="2,8", help="data-parallel sizes to compile for")
     p.add_argument("--methods", default=None, help="comma-separated (default: all)")
+    p.add_argument("--breakdown", type=int, default=0, metavar="N",
+                   help="also list each program's N largest instructions by bytes")
     p.add_argument("--json", metavar="OUT", default=None)
     args = p.parse_args(argv)
     model, *_ = model_of(args)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform as platform_module
@@ -404,13 +405,13 @@ def train_row(method, mesh, params, loss_fn, batches, lr: float, steps: int) -> 
     # one happens after all, the other phases are left out, to keep within the budget).
     per_phase: dict[tuple, float | None] = {}
     for values in dict.fromkeys(ran):
-        before = counter.count
+        before, t = counter.count, time.perf_counter()
         if phased:
             compiled = step_obj.program(values).lower(carry[0], placed[0]).compile()
         else:
             compiled = lower().compile()
         per_phase[values] = bytes_accessed(compiled)
-        if counter.count > before:
+        if counter.count > before or time.perf_counter() - t > 2.0:  # 2 s: not from a cache
             break
     known = [per_phase[v] for v in ran if per_phase.get(v) is not None]
     accessed = statistics.fmean(known) if len(known) == len(ran) else None
@@ -427,7 +428,12 @@ def train_row(method, mesh, params, loss_fn, batches, lr: float, steps: int) -> 
         compiles_in_timed_window=c3 - c2, final_loss=float(loss),
         loss_finite=bool(np.isfinite(float(loss))),
     )  # fmt: skip
-    if step_obj is not None and step_obj.phased is not None:
+    if counter.count == 0:  # this JAX reports no compile events: the counts are unknown
+        for key in ("compiles_first_step", "compiles_after_first_step",
+                    "compiles_in_timed_window"):  # fmt: skip
+            out[key] = None
+    if phased:
+        out["step_compile_count"] = getattr(step_obj.phased, "compile_count", None)
         out["phases_compiled"] = [list(v) for v in step_obj.compiled_phases]
         out["phase_labels"] = [method.phase_label(v) for v in step_obj.compiled_phases]
     carry.clear()  # free the state before the next row
@@ -470,6 +476,7 @@ def run_train_rows(args, small: bool, t_start: float, record) -> dict:
                                      TRAIN_LR[model_name], args.train_steps))  # fmt: skip
             except Exception as e:  # noqa: BLE001 - the report records any failure
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            gc.collect()  # the row's state and programs, before the next row allocates
             row["row_s"] = time.perf_counter() - t_row
             if name == "local" and "error" not in row:
                 base = row
@@ -497,6 +504,8 @@ def print_train_row(r: dict) -> None:
     ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
     bratio = f"{r['bytes_ratio']:.2f}x" if "bytes_ratio" in r else "-"
     compiles = f"{r['compiles_after_first_step']}/{r['compiles_in_timed_window']}"
+    if r["compiles_after_first_step"] is None:
+        compiles = "?"
     print(f"{r['model']:<5} {r['method']:<14}{r['step_ms']:>9.2f}{ratio:>9}"
           f"{_gb(r['bytes_accessed']):>11}{bratio:>9}{r['compile_and_warmup_s']:>8.1f}"
           f"{compiles:>9}{r['final_loss']:>11.4g}", flush=True)  # fmt: skip

@@ -30,6 +30,12 @@ a few kB of scalars). A row that cannot be built (e.g. an axis the installed jax
 skipped with its reason. ``--json OUT`` writes the summary with the command, versions, machine
 and date.
 
+Read the times with this emulation's limit in mind: once a CPU client spans several processes,
+XLA:CPU runs every collective through gloo (TCP), also those among one process's own devices, so
+the ``local`` level here is much slower than NVLink or ICI (an fp32 reduce-scatter over the 4
+devices of one process costs about as much as over TCP between hosts; in one process it is an
+in-memory copy). Rows (b) and (d) pay for that; (c) sends its few bytes in one flat exchange.
+
 Usage (root, for the network namespaces)::
 
     python benchmarks/two_level.py [--rate 1gbit] [--topo auto|lo] [--repeats 7] [--warmup 4]
@@ -312,7 +318,10 @@ def summarize(ranks: list[dict], args, duplex: Path) -> dict:
         ratios["d_cross_host_over_reference"] = dict(value=value, target=1.3, met=met)
     return dict(
         provenance=provenance(
-            duplex=str(duplex), rate=args.rate, topo=args.topo, numpy=_np_version()
+            duplex=os.path.relpath(duplex, REPO),
+            rate=args.rate,
+            topo=args.topo,
+            numpy=_np_version(),
         ),
         setup=dict(
             processes=NPROC,

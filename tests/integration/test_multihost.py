@@ -16,12 +16,16 @@ small tanh MLP with ``jc.make_train_step``, each process passing its own rows of
 * ``onebit_flat`` / ``onebit_tuple``: ``jc.onebit_adam`` past its warm-up: both processes hold
   the same parameters bit for bit, and the full-batch loss (NumPy) decreases.
 
+``jc.init_distributed()`` is also started from SLURM's and Open MPI's variables alone (two plain
+processes on 127.0.0.1): each finds its rank, the coordinator and all of its 4 devices.
+
 The module is also the worker: ``python test_multihost.py OUT_DIR`` runs one process's share.
 ``JAXCOMM_MULTIHOST_NO_NETNS=1`` forces the plain-process fallback.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -171,6 +175,35 @@ def worker(out_dir: str) -> None:
     jax.distributed.shutdown()
 
 
+def init_worker(out_dir: str) -> None:
+    """``jc.init_distributed()`` from the launcher's variables alone, then a sum over all 8
+    devices (each adds its process id + 1)."""
+    import jax
+
+    import jaxcomm as jc
+
+    info = jc.init_distributed()
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((jax.process_count(), jax.local_device_count()), TUPLE)
+    mine = np.full((jax.local_device_count(),), info.process_id + 1, np.float32)
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P(TUPLE)), mine)
+    total = jax.jit(
+        jax.shard_map(lambda a: lax.psum(a, TUPLE), mesh=mesh, in_specs=P(TUPLE), out_specs=P())
+    )(x)
+    result = dict(
+        info=list(info),
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        local_devices=jax.local_device_count(),
+        total=float(np.asarray(total.addressable_data(0))[0]),
+    )
+    Path(out_dir, f"init{info.process_id}.json").write_text(json.dumps(result))
+    jax.distributed.shutdown()
+
+
 # --------------------------------------------------------------------------------------------
 # The launcher side.
 # --------------------------------------------------------------------------------------------
@@ -192,8 +225,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+LAUNCHER_VARS += ("MASTER_PORT", "JAXCOMM_COORDINATOR", "JAX_COORDINATOR_PORT")
+
+
 def _worker_env() -> dict[str, str]:
-    env = dict(os.environ)
+    # Without the variables of a launcher this test may itself run under (SLURM in CI).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_VARS
+    }
     env.update(
         JAX_PLATFORMS="cpu",
         JAX_NUM_CPU_DEVICES=str(LOCAL_DEVICES),
@@ -221,11 +264,17 @@ def _kill(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def launch(out_dir: Path) -> str:
-    """Runs both workers; returns how (for messages). Raises with their output on failure."""
+def launch(out_dir: Path, rank_envs: list[dict[str, str]] | None = None) -> str:
+    """Runs both workers; returns how (for messages). Raises with their output on failure.
+
+    ``rank_envs``: plain processes on 127.0.0.1 with these variables each, running
+    :func:`init_worker`; otherwise :func:`worker`, with ``RANK``, ``NPROC`` and ``COORD``.
+    """
     cmd = [sys.executable, str(Path(__file__).resolve()), str(out_dir)]
+    if rank_envs is not None:
+        cmd.insert(2, "--init")
     env = _worker_env()
-    duplex = duplex_script()
+    duplex = duplex_script() if rank_envs is None else None
     procs: list[subprocess.Popen] = []
     logs = [out_dir / f"launch{i}.log" for i in range(NPROC)]
     try:
@@ -248,6 +297,8 @@ def launch(out_dir: Path) -> str:
             coord = f"127.0.0.1:{_free_port()}"
             for rank in range(NPROC):
                 rank_env = {**env, "RANK": str(rank), "NPROC": str(NPROC), "COORD": coord}
+                if rank_envs is not None:
+                    rank_env = {**env, **rank_envs[rank]}
                 with open(logs[rank], "w") as log:
                     procs.append(
                         subprocess.Popen(
@@ -347,6 +398,39 @@ def test_onebit_adam_tuple_axis_processes_agree_and_learn(ranks):
     _check_onebit(ranks, "onebit_tuple")
 
 
+def _launcher_env(launcher: str, rank: int, port: int) -> dict[str, str]:
+    if launcher == "slurm":  # srun -n 2 on one node
+        return {
+            "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_NODELIST": "127.0.0.1",
+            "SLURM_NTASKS": str(NPROC),
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0",
+            "SLURM_STEP_TASKS_PER_NODE": str(NPROC),
+            "JAX_COORDINATOR_PORT": str(port),
+        }
+    return {  # mpirun -np 2, the coordinator named by the user
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_SIZE": str(NPROC),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+        "OMPI_COMM_WORLD_LOCAL_SIZE": str(NPROC),
+        "JAXCOMM_COORDINATOR": f"127.0.0.1:{port}",
+    }
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "ompi"])
+def test_init_distributed_from_launcher_environment(tmp_path, launcher):
+    port = _free_port()
+    launch(tmp_path, [_launcher_env(launcher, r, port) for r in range(NPROC)])
+    for rank in range(NPROC):
+        got = json.loads((tmp_path / f"init{rank}.json").read_text())
+        assert got["info"] == [rank, NPROC, f"127.0.0.1:{port}", "gloo"], got
+        assert (got["process_index"], got["process_count"]) == (rank, NPROC)
+        assert got["local_devices"] == LOCAL_DEVICES
+        assert got["total"] == LOCAL_DEVICES * sum(r + 1 for r in range(NPROC))
+
+
 def test_numpy_reference_gradient_matches_finite_differences():
     """The reference itself: its gradient against central differences (float64)."""
     p = {k: v.astype(np.float64) for k, v in init_params().items()}
@@ -364,4 +448,7 @@ def test_numpy_reference_gradient_matches_finite_differences():
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    if sys.argv[1] == "--init":
+        init_worker(sys.argv[2])
+    else:
+        worker(sys.argv[1])

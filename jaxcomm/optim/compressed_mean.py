@@ -58,12 +58,14 @@ def compressed_mean(
     error_feedback=True)``: Adam's variance is computed from the compressed mean, and 1-bit
     signs with one scale per bucket distort it (on the byte-level transformer LM of
     ``benchmarks/convergence.py``, int8 + EF stayed near exact Adam's held-out loss and 1-bit
-    did not; the CHANGELOG has the numbers). For 1-bit traffic with Adam use
+    did not; the script prints both). For 1-bit traffic with Adam use
     :func:`jaxcomm.onebit_adam`, which compresses the momentum after freezing the variance. The
     1-bit default suits momentum SGD and Lion-like sign methods.
 
     Args:
-      axis_name: the data-parallel mesh or pmap axis.
+      axis_name: the data-parallel mesh or pmap axis, or a tuple of mesh axes, slowest first
+        (exact inside the fast axes, ``compressor`` across the first; see
+        :mod:`jaxcomm.comm.two_level`).
       compressor: default ``jc.OneBit()``.
       bucket_bytes: bucket size of the collectives (``None``: one bucket per dtype).
       warmup_steps: number of initial updates reduced exactly.

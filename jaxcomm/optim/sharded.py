@@ -159,7 +159,10 @@ def sharded(
       tx: any optax transformation that does not communicate itself (``optax.adamw(...)``,
         ``optax.lion(...)``, a chain with clipping by a per-leaf rule, ...). It sees the mean
         gradient's shards, 1-D.
-      axis_name: the data-parallel axis (bound where ``update`` runs: ``shard_map``/``pmap``).
+      axis_name: the data-parallel axis (bound where ``update`` runs: ``shard_map``/``pmap``),
+        or a tuple of mesh axes, slowest first: the state is sharded over every device, the
+        reduce-scatter and the gather exact inside the fast axes and compressed only across
+        the first (:mod:`jaxcomm.comm.two_level`).
       compressor: reduce-scatter compressor, e.g. ``jc.Quantize(bits=8)`` or ``bits=4`` (qgZ),
         ``jc.OneBit()``; with error feedback where the compressor keeps one. Default exact.
       gather_compressor: all-gather compressor for the updated parameters: ``None`` (exact) or

@@ -184,7 +184,7 @@ def zero_one_adam(
     Safe defaults (``deepspeed_compat=True`` restores DeepSpeed's rules exactly, including
     ``local_step_clipper=16``; both rule sets are tested against NumPy models), chosen on the
     byte-level transformer LM of ``benchmarks/convergence.py`` (8 and 2 devices, the variance
-    frozen at 5-15% of 384-768 steps; the CHANGELOG has the numbers):
+    frozen at 5-15% of 384-768 steps; the script prints the comparison):
 
     * ``local_step_clipper = 2`` (DeepSpeed: 16), the largest interval between
       synchronisations. Local steps cost loss in proportion to their interval and buy little
@@ -209,6 +209,10 @@ def zero_one_adam(
       synchronisation averages ``u`` itself, in the space of Adam's steps, whose magnitudes are
       even across coordinates (one 1-bit scale fits them); both are mapped back by ``denom``
       (frozen or replicated: exact without compression).
+
+    ``axis_name`` may be a tuple of mesh axes, slowest first (``("host", "local")``): every
+    mean is then exact inside the fast axes and 1-bit only across the first
+    (:mod:`jaxcomm.comm.two_level`), and the local steps run on every device as on one axis.
 
     A non-finite step on any device is skipped on all of them (one int32 ``pmin`` per step, so
     that local steps stay in step), counted in ``skipped``/``skipped_total``, and more than

@@ -10,8 +10,7 @@ bandwidth (a compressed step, with more passes per parameter than Adam's, loses 
 :func:`configure_host_allocator` makes every thread allocate from glibc's main heap
 (``M_ARENA_MAX=1``), serves large blocks from that heap instead of ``mmap``
 (``M_MMAP_THRESHOLD``) and never gives freed memory back to the kernel (``M_TRIM_THRESHOLD``,
-``M_TOP_PAD``): from the second step on, every buffer a step needs is already mapped (the
-measured speed-ups are in ``CHANGELOG.md``).
+``M_TOP_PAD``): from the second step on, every buffer a step needs is already mapped.
 
 The cost: the process's resident memory stays at its peak heap (freed memory is kept for the
 next step, which is what a training loop wants) and small allocations of all threads share one

@@ -35,6 +35,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -129,7 +130,7 @@ def worker(out_dir: str) -> None:
     import jaxcomm as jc
 
     rank = jax.process_index()
-    results: dict[str, np.ndarray] = {}
+    results: dict[str, Any] = {}
     errors: dict[str, str] = {}
     assert jax.process_count() == NPROC and jax.local_device_count() == LOCAL_DEVICES
 
@@ -226,8 +227,10 @@ def _free_port() -> int:
 
 
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
-LAUNCHER_VARS += ("MASTER_PORT", "JAXCOMM_COORDINATOR", "JAX_COORDINATOR_PORT")
+LAUNCHER_VARS = (
+    *("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+    *("JAXCOMM_COORDINATOR", "JAX_COORDINATOR_PORT"),
+)
 
 
 def _worker_env() -> dict[str, str]:

@@ -61,10 +61,11 @@ def make_batches(count, seed=1):
     ]
 
 
-def numpy_nodes(params, batches, *, H, F, tau, alpha, nesterov, **hyper):
+def numpy_nodes(params, batches, *, H, F, tau, alpha, nesterov, skip=(), **hyper):
     """Streaming DiLoCo of ``S`` replicas, replica ``s`` stepping (SGD with momentum) on the
     rows of its node's ``L`` devices; fragment ``f`` records ``mean_s(theta_f - x_s,f)`` after
-    the steps ``t % H == o_f`` and applies the outer SGD ``tau`` steps later."""
+    the steps ``t % H == o_f`` and applies the outer SGD ``tau`` steps later. ``(t, s)`` in
+    ``skip``: node ``s`` does not step at step ``t``."""
     theta = [np.asarray(params[k], np.float64) for k in ("b", "w")]
     xs = [[p.copy() for p in theta] for _ in range(S)]
     inner_m = [[np.zeros_like(p) for p in theta] for _ in range(S)]
@@ -74,6 +75,8 @@ def numpy_nodes(params, batches, *, H, F, tau, alpha, nesterov, **hyper):
     rows = L * B
     for t, (x, y) in enumerate(batches, start=1):
         for s in range(S):
+            if (t, s) in skip:
+                continue
             grads = numpy_grads(xs[s], x[s * rows : (s + 1) * rows], y[s * rows : (s + 1) * rows])
             for i, g in enumerate(grads):
                 inner_m[s][i] = g + hyper["inner_mom"] * inner_m[s][i]
@@ -153,6 +156,25 @@ def test_exact_diloco_over_the_tuple_equals_numpy_nodes(mesh2d, H, F, tau, alpha
             np.testing.assert_allclose(np.asarray(leaf)[s * L], xs[s][i], rtol=2e-5, atol=2e-6)
     # 13 steps after the last sync: the two nodes' copies have moved apart.
     assert not np.allclose(xs[0][1], xs[1][1])
+
+
+def test_a_nonfinite_gradient_on_one_device_skips_its_node(mesh2d):
+    """A NaN in one example of device (0, 2) at step 2: node 0 skips that inner step (its 4
+    devices alike, their copies stay identical), node 1 steps on."""
+    params, batches = make_params(), make_batches(7)
+    batches[1][0][2 * B, 0] = np.nan  # device (host 0, local 2), step 2
+    tx = make_tx(3, compressor=jc.NoCompression())
+    state, _ = run(mesh2d, tx, params, batches, each=same_within_nodes)
+    theta, xs = numpy_nodes(
+        params, batches, H=3, F=1, tau=0, alpha=0.0, nesterov=True, skip={(2, 0)}, **HYPER
+    )
+    for got, want in zip(jax.tree.leaves(jc.diloco_params(state.opt_state)), theta, strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
+    for i, leaf in enumerate(jax.tree.leaves(state.params)):
+        for s in range(S):
+            np.testing.assert_allclose(np.asarray(leaf)[s * L], xs[s][i], rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(state.opt_state.local.nonfinite), [1] * L + [0] * L)
+    assert int(state.opt_state.skipped) == 0
 
 
 def test_the_replicas_are_nodes_not_devices(mesh2d):

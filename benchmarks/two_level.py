@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -271,6 +272,7 @@ def _worker(args: argparse.Namespace) -> None:
         skipped=skipped,
         losses=losses,
         compile_s=compile_s,
+        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
     Path(args.worker, f"rank{rank}.json").write_text(json.dumps(result))
     barrier()  # both written before either leaves
@@ -342,6 +344,7 @@ def summarize(ranks: list[dict], args, duplex: Path) -> dict:
         # Only the compressed share should cross: 2 x P x bits / 8 / n_fast (1 bit).
         cross_host_reference_bytes=reference,
         skipped=ranks[0]["skipped"],
+        peak_rss_mib={f"rank{r['rank']}": r["peak_rss_mib"] for r in ranks},
         losses={k: [v[0], v[-1]] for k, v in ranks[0]["losses"].items() if v},
         times={f"rank{r['rank']}": r["times"] for r in ranks},
     )
@@ -384,6 +387,8 @@ def table(s: dict) -> str:
             f"{names[key]:<42} {r['value']:>6.2f}x  target {sign} {r['target']}x: "
             f"{'met' if r['met'] else 'NOT met'}"
         )
+    rss = ", ".join(f"{k} {v:.0f} MiB" for k, v in s["peak_rss_mib"].items())
+    lines.append(f"peak resident memory: {rss}")
     ref = s["cross_host_reference_bytes"]
     lines.append(f"cross-host reference 2 x P x 1 bit / 8 / n_fast = {ref / 1e6:.3f} MB/device")
     return "\n".join(lines)

@@ -26,8 +26,8 @@ phase a few steps in (``freeze_step``; 0/1 Adam's first variance interval ends a
 about 0.1-0.2 s into a run of 6-11 ms steps, while one compile of a phase program took
 1.4-2.9 s on an H200, so a background compile would rarely be done in time and that step
 would wait for it anyway, at a point the user did not choose. The first call pays the same
-compiles once, before any step runs, with the programs compiled in parallel threads (XLA
-compiles without holding the GIL).
+compiles once, before any step runs: the programs are traced in the calling thread, then
+compiled in parallel threads (XLA compiles without holding the GIL).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class PhasedStep:
     when a step first needs it. ``compile_count`` is the number of programs compiled so far.
     """
 
-    #: Threads :meth:`compile_all` compiles the programs in (``None``: one per program).
+    #: Threads :meth:`compile_all` compiles the lowered programs in (``None``: one each).
     compile_threads: int | None = None
 
     def __init__(
@@ -218,11 +218,16 @@ class PhasedStep:
             self._probe_compiled = True
             self.compile_count += 1
         combinations = self.reachable_phases(*args, steps=steps)
-        programs = [self.program(v) for v in combinations if v not in self._programs]
-        # Each program lowered and compiled in its own thread: XLA compiles without the GIL.
-        workers = max(1, min(len(programs), self.compile_threads or len(programs)))
+        # Traced and lowered here, under the caller's thread-local contexts (JAX's config and
+        # mesh, jaxcomm's), then compiled in threads: XLA compiles without holding the GIL.
+        lowered = [
+            self.program(v).lower(*args)  # type: ignore[attr-defined]
+            for v in combinations
+            if v not in self._programs
+        ]
+        workers = max(1, min(len(lowered), self.compile_threads or len(lowered)))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda program: _compile_ahead(program, args), programs))
+            list(pool.map(lambda program: program.compile(), lowered))
         self._precompiled = True
         self.compile_seconds += time.perf_counter() - start
         return combinations

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PyTree = Any
 
@@ -62,3 +63,51 @@ def apply_mask(tree: PyTree, mask: PyTree | None) -> PyTree:
 
 def _static_zero(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
+
+
+# Run length: the warm-up of the 1-bit optimizers.
+
+#: Share of the run that 1-bit Adam / 1-bit LAMB keep exact when given ``total_steps`` (the
+#: paper's and DeepSpeed's advice, and 0/1 Adam's ``var_freeze_step`` from ``total_steps``).
+FREEZE_FRACTION = 0.15
+
+
+def resolve_freeze_step(name: str, freeze_step, total_steps: int | None):
+    """``freeze_step`` if given, else ``max(1, round(0.15 * total_steps))``; neither: an error.
+
+    A 1-bit optimizer with no run length would otherwise need a constant warm-up (DeepSpeed's
+    100000 steps of exact Adam, longer than most runs, without a word)."""
+    if total_steps is not None:
+        total = total_steps if isinstance(total_steps, int | np.integer) else None
+        if total is None or isinstance(total_steps, bool) or total < 1:
+            raise ValueError(
+                f"jaxcomm: {name} total_steps must be an int >= 1, got {total_steps!r}"
+            )
+        if freeze_step is None:
+            return max(1, round(FREEZE_FRACTION * int(total)))
+    if freeze_step is None:
+        raise ValueError(
+            f"jaxcomm: {name} needs the run length: pass total_steps=N (the variance freezes "
+            f"after round(0.15 * N) exact steps) or freeze_step=K (K exact warm-up steps)"
+        )
+    return freeze_step
+
+
+def clip_step_rms(step: jax.Array, max_rms: float | None, enabled: jax.Array | bool) -> jax.Array:
+    """``step * min(1, max_rms / rms(step))`` with ``rms`` over the leaf, where ``enabled``
+    (``max_rms=None``, an empty leaf or ``enabled`` false: ``step`` itself).
+
+    The bound of the 1-bit optimizers after their variance freeze. Adam's step ``m_hat /
+    sqrt(v_hat)`` has a mean square of at most 1 per coordinate when the gradients are
+    stationary (``E[m_hat^2] <= E[g^2] = v``); a frozen ``v`` no longer follows the gradients,
+    and when they grow after the freeze (early in training: a short warm-up) the step grows
+    with them, the loss with the step, and the gradients with the loss, until the run is NaN.
+    The factor is exactly 1 where the bound does not bind (the step is then unchanged, bit
+    for bit)."""
+    if max_rms is None or step.size == 0 or enabled is False:
+        return step
+    rms = jnp.sqrt(jnp.mean(jnp.square(step)))
+    factor = jnp.minimum(jnp.ones([], step.dtype), jnp.asarray(max_rms, step.dtype) / rms)
+    if enabled is not True:
+        factor = jnp.where(enabled, factor, jnp.ones_like(factor))
+    return step * factor

@@ -137,8 +137,12 @@ def diloco(
         (the papers: ``optax.adamw(4e-4, weight_decay=0.1)``).
       outer: the optimizer of the outer parameters, whose gradient is the averaged
         pseudo-gradient ``theta - x`` (the papers: ``optax.sgd(0.7, momentum=0.9,
-        nesterov=True)``). One outer state per fragment, over the fragment's list of leaves.
-      sync_every: ``H``, steps between two syncs of a fragment (>= 1).
+        nesterov=True)``, also measured best with int4 outer gradients; with
+        ``jc.SparseLoCo()``: ``optax.sgd(1.25)``, chosen over 0.7-1.5 in
+        ``benchmarks/results/time_to_loss_select_outer_lr.json``). One outer state per
+        fragment, over the fragment's list of leaves.
+      sync_every: ``H``, steps between two syncs of a fragment (>= 1; the README's pick table
+        measured ``H = 20``).
       axis_name: the data-parallel axis the outer gradients are averaged over, or a tuple of
         axes, slowest first (``("host", "local")``): the replicas are then the slow-axis
         groups, inner steps average the gradients exactly over the fast axes, and only the

@@ -44,7 +44,13 @@ from jaxcomm.optim._common import (
     static_int,
     zeros_f32,
 )
-from jaxcomm.optim._moments import apply_mask, damped_denominator, ema
+from jaxcomm.optim._moments import (
+    apply_mask,
+    clip_step_rms,
+    damped_denominator,
+    ema,
+    resolve_freeze_step,
+)
 from jaxcomm.optim._skip import (
     all_finite,
     count_skips,
@@ -87,9 +93,10 @@ def scale_by_onebit_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    freeze_step: int = 100000,
+    freeze_step: int | None = None,
     *,
     axis_name: str,
+    total_steps: int | None = None,
     compressor: Compressor | None = None,
     bucket_bytes: int | None = None,
     axis_size: int | None = None,
@@ -99,6 +106,7 @@ def scale_by_onebit_adam(
     deepspeed_compat: bool = False,
     max_consecutive_skips: int | None = 16,
     precondition: bool | None = None,
+    max_step_rms: float | None = 1.0,
 ) -> optax.GradientTransformation:
     """1-bit Adam's direction ``m / (sqrt(v) + eps)`` from this device's local gradients.
 
@@ -114,19 +122,27 @@ def scale_by_onebit_adam(
 
     ``bias_correction`` (default on, off under ``deepspeed_compat``) uses ``m / (1 - b1^t)`` and
     ``v / (1 - b2^tv)`` with ``tv = min(t, freeze_step)``, the step at which ``v`` was last
-    updated. A step whose result is not finite is skipped (see :func:`onebit_adam`). Chain it like
-    ``optax.scale_by_adam``: ``optax.chain(jc.scale_by_onebit_adam(axis_name="dp"),
+    updated. After the freeze each leaf's direction is bounded in RMS by ``max_step_rms``. A step
+    whose result is not finite is skipped (see :func:`onebit_adam`). Chain it like
+    ``optax.scale_by_adam``: ``optax.chain(jc.scale_by_onebit_adam(axis_name="dp",
+    total_steps=1000),
     optax.add_decayed_weights(1e-2), optax.scale_by_learning_rate(1e-3))``. The arguments are
     those of :func:`onebit_adam`.
     """
     compressor = OneBit() if compressor is None else compressor
     check_compressor(compressor)
     bucket_bytes = static_bucket_bytes(bucket_bytes)
+    freeze_step = resolve_freeze_step("onebit_adam", freeze_step, total_steps)
+    if isinstance(max_step_rms, int | float) and not max_step_rms > 0:
+        raise ValueError(
+            f"jaxcomm: onebit_adam max_step_rms must be > 0 or None, got {max_step_rms!r}"
+        )
     static_freeze = static_int(freeze_step)
     if bias_correction is None:
         bias_correction = not deepspeed_compat
     floor = None if deepspeed_compat else variance_floor
     precondition = not deepspeed_compat if precondition is None else precondition
+    max_step_rms = None if deepspeed_compat else max_step_rms
 
     def init_fn(params):
         n = resolve_axis_size(axis_name, axis_size)
@@ -250,6 +266,8 @@ def scale_by_onebit_adam(
             step = jax.tree.map(  # after the freeze: divided by 1
                 lambda m, den: (m / c1) / jnp.where(frozen, one, den), mu, denominator(nu, frozen)
             )
+        # After the freeze, each leaf's step is bounded in RMS (max_step_rms, see onebit_adam).
+        step = jax.tree.map(lambda x: clip_step_rms(x, max_step_rms, frozen), step)
         direction = zeros_unless(ok, step)
         skipped, skipped_total = count_skips(
             ok, state.skipped, state.skipped_total, max_consecutive_skips, "onebit_adam"
@@ -274,9 +292,10 @@ def onebit_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    freeze_step: int = 100000,
+    freeze_step: int | None = None,
     *,
     axis_name: str,
+    total_steps: int | None = None,
     compressor: Compressor | None = None,
     bucket_bytes: int | None = None,
     axis_size: int | None = None,
@@ -286,6 +305,7 @@ def onebit_adam(
     deepspeed_compat: bool = False,
     max_consecutive_skips: int | None = 16,
     precondition: bool | None = None,
+    max_step_rms: float | None = 1.0,
 ) -> optax.GradientTransformation:
     """DeepSpeed's 1-bit Adam (``OnebitAdam``) as an optax transformation over local gradients.
 
@@ -317,6 +337,15 @@ def onebit_adam(
       denom``, ``state.preconditioned``): the mean is the new ``mu``, with no pass mapping it
       back. Adam's steps have even magnitudes across coordinates, momenta do not: one 1-bit
       scale fits the first far better (see ``benchmarks/convergence.py``).
+    * **bounded step after the freeze** (``max_step_rms``, default 1.0; ignored under
+      ``deepspeed_compat``): each leaf's direction ``d`` is scaled by ``min(1, max_step_rms /
+      rms(d))``, ``rms`` over the leaf. Under stationary gradients Adam's step has a mean
+      square of at most 1 per coordinate (``E[m^2] <= E[g^2] = v``); a frozen ``v`` does not
+      follow gradients that grow after the freeze (a short warm-up early in training), and the
+      step then grows with them until the loss is NaN. Measured: exact Adam with ``v`` frozen
+      after 2-10 steps diverges that way on a GPT-style LM and an MLP regression, with or without
+      1-bit compression (``tests/optim/test_onebit_stability.py``); bounded, both train like
+      Adam. Where the bound does not bind the factor is exactly 1 (the step is unchanged).
     * **non-finite steps are skipped**: if the mean gradient or momentum is not finite (a NaN
       or Inf on any device), nothing changes (moments kept; the collectives' guard keeps the
       error feedback) and ``state.skipped`` / ``skipped_total`` count it; after more than
@@ -333,16 +362,21 @@ def onebit_adam(
     tensor separately: ``bucket_bytes=1`` does the same (one bucket per leaf); the default
     ``None`` compresses all parameters as one bucket (one collective chain, one scale).
 
-    Tuning: ``freeze_step`` about 15% of the run (the variance must have settled: a shorter
-    warm-up costs more than compression does); ``bucket_bytes=1`` gives each tensor its own
-    1-bit scale.
+    Run length: the warm-up is ``freeze_step`` exact steps, or, given ``total_steps`` instead,
+    ``round(0.15 * total_steps)`` (the paper's and DeepSpeed's advice: the variance must have
+    settled; a shorter warm-up costs more than compression does). One of the two is required:
+    there is no constant default (DeepSpeed's is 100000 steps of exact Adam).
+    ``bucket_bytes=1`` gives each tensor its own 1-bit scale.
 
     Args:
       learning_rate: a float or an optax schedule of the step count.
       b1, b2, eps, weight_decay: as DeepSpeed's ``OnebitAdam`` (``weight_decay`` is L2 added to
         the update, so ``update`` needs ``params`` when it is non-zero).
-      freeze_step: number of exact warm-up updates (may be a traced int).
+      freeze_step: number of exact warm-up updates (may be a traced int); default
+        ``round(0.15 * total_steps)``.
       axis_name: the data-parallel axis.
+      total_steps: the run's length, for the default ``freeze_step``; one of the two is
+        required.
       compressor: default ``jc.OneBit()``; ``jc.NoCompression()`` makes it exact Adam with v
         frozen after ``freeze_step``.
       bucket_bytes: bucket size of the momentum all-reduce (and the warm-up gradient mean).
@@ -350,14 +384,17 @@ def onebit_adam(
       bias_correction: default ``not deepspeed_compat``.
       variance_floor: see above (default 0.1; ignored under ``deepspeed_compat``).
       momentum_mask: optional 0/1 tree like the parameters (DeepSpeed's ``exp_avg_mask``).
-      deepspeed_compat: DeepSpeed's rules (no bias correction, floor or preconditioning).
+      deepspeed_compat: DeepSpeed's rules (no bias correction, floor, preconditioning or
+        step bound).
       max_consecutive_skips: non-finite steps in a row before the error (``None``: never, and
         no host callback per step).
       precondition: default ``not deepspeed_compat`` (see above).
+      max_step_rms: the bound on each leaf's RMS step after the freeze, in units of the
+        learning rate (default 1.0; ``None`` disables it; ignored under ``deepspeed_compat``).
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxcomm as jc
-      >>> tx = jc.onebit_adam(1e-3, freeze_step=2, axis_name="dp", axis_size=2)
+      >>> tx = jc.onebit_adam(1e-3, axis_name="dp", total_steps=10, axis_size=2)  # 2 exact
       >>> params = {"w": jnp.ones(4)}
       >>> step = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="dp")
       >>> state = jax.vmap(lambda _: tx.init(params), axis_name="dp")(jnp.zeros(2))
@@ -375,6 +412,7 @@ def onebit_adam(
         eps,
         freeze_step,
         axis_name=axis_name,
+        total_steps=total_steps,
         compressor=compressor,
         bucket_bytes=bucket_bytes,
         axis_size=axis_size,
@@ -384,6 +422,7 @@ def onebit_adam(
         deepspeed_compat=deepspeed_compat,
         max_consecutive_skips=max_consecutive_skips,
         precondition=precondition,
+        max_step_rms=max_step_rms,
     )
     decay = optax.add_decayed_weights(weight_decay)
 

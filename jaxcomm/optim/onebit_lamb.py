@@ -33,7 +33,7 @@ from jaxcomm.optim._common import (
     unzip,
     zeros_f32,
 )
-from jaxcomm.optim._moments import damped_denominator, ema
+from jaxcomm.optim._moments import damped_denominator, ema, resolve_freeze_step
 from jaxcomm.optim._skip import all_finite, count_skips, keep_error_feedback, zeros_unless
 from jaxcomm.optim.schedule import phase, phase_cond, steady_below
 
@@ -75,7 +75,7 @@ def onebit_lamb(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    freeze_step: int = 100000,
+    freeze_step: int | None = None,
     max_coeff: float = 10.0,
     min_coeff: float = 0.01,
     coeff_beta: float = 0.9,
@@ -84,6 +84,7 @@ def onebit_lamb(
     factor_threshold: float = 0.1,
     *,
     axis_name: str,
+    total_steps: int | None = None,
     compressor: Compressor | None = None,
     bucket_bytes: int | None = None,
     axis_size: int | None = None,
@@ -101,7 +102,8 @@ def onebit_lamb(
     ``t = count + 1`` the 1-based update, ``g_r`` this device's gradient, ``p`` a leaf of the
     parameters and norms taken over the leaf (DeepSpeed defaults in brackets):
 
-    * warm-up, ``t <= freeze_step`` (100000): LAMB on the exact mean gradient ``g = mean_r g_r``:
+    * warm-up, ``t <= freeze_step`` (``round(0.15 * total_steps)``): LAMB on the exact mean
+      gradient ``g = mean_r g_r``:
       ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g^2``; ``u = m / (sqrt(v) + eps) + wd p``;
       the trust ratio ``c = clip(||p|| / ||u||, min_coeff (0.01), max_coeff (10))``, or
       ``c = 1`` when either norm is 0; if ``c != 1``, ``coeff_freeze = coeff_beta (0.9)
@@ -155,20 +157,28 @@ def onebit_lamb(
     ratio cancels scalar corrections during the warm-up and the frozen coefficient is
     calibrated on the uncorrected update) and ``precondition`` (the 1-bit mean carries the local
     momenta divided by the frozen denominator, mapped back by it, instead of DeepSpeed's
-    per-leaf scaling coefficients). Keep ``freeze_step`` near 15% of the run: freezing the
-    trust ratio and the variance earlier costs loss.
+    per-leaf scaling coefficients).
+
+    Run length: the warm-up is ``freeze_step`` exact steps, or, given ``total_steps`` instead,
+    ``round(0.15 * total_steps)`` (freezing the trust ratio and the variance earlier costs
+    loss). One of the two is required: there is no constant default (DeepSpeed's is 100000
+    steps of exact LAMB). After the freeze the step stays bounded by the frozen trust ratio
+    (its correction factor is clipped to ``[factor_min, factor_max]``), so 1-bit LAMB needs no
+    bound like :func:`onebit_adam`'s ``max_step_rms``.
 
     Args:
       learning_rate: a float or an optax schedule of the step count.
       b1, b2, eps, weight_decay: as DeepSpeed's ``OnebitLamb`` (``weight_decay`` is L2 added to
         the update).
       freeze_step: number of exact warm-up updates, at least 1 (the frozen trust ratio comes
-        from the warm-up; may be a traced int).
+        from the warm-up; may be a traced int); default ``round(0.15 * total_steps)``.
       max_coeff, min_coeff: clip of the warm-up trust ratio.
       coeff_beta: EMA coefficient of the trust ratio (``1 / (1 - coeff_beta)`` should not
         exceed ``freeze_step``, DeepSpeed advises).
       factor_max, factor_min, factor_threshold: clips of the correction factor.
       axis_name: the data-parallel axis.
+      total_steps: the run's length, for the default ``freeze_step``; one of the two is
+        required.
       compressor: default ``jc.OneBit()``.
       bucket_bytes: bucket size of the momentum all-reduce (and the warm-up gradient mean);
         ``None``: one bucket.
@@ -177,6 +187,16 @@ def onebit_lamb(
       deepspeed_compat: DeepSpeed's rules (no floor).
       max_consecutive_skips: non-finite steps in a row before the error (``None``: never).
       bias_correction, precondition: see above (default off).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxcomm as jc
+      >>> tx = jc.onebit_lamb(1e-3, axis_name="dp", total_steps=10, axis_size=2)  # 2 exact
+      >>> params = {"w": jnp.ones(4)}
+      >>> step = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="dp")
+      >>> state = jax.vmap(lambda _: tx.init(params), axis_name="dp")(jnp.zeros(2))
+      >>> updates, state = step({"w": jnp.ones((2, 4))}, state)
+      >>> [round(float(u), 6) for u in updates["w"][0]]
+      [-0.001, -0.001, -0.001, -0.001]
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a :class:`OneBitLambState`; ``comm`` is
@@ -189,12 +209,6 @@ def onebit_lamb(
     bias_correction = bool(bias_correction)
     precondition = bool(precondition)
     bucket_bytes = static_bucket_bytes(bucket_bytes)
-    static_freeze = static_int(freeze_step)
-    if static_freeze is not None and static_freeze < 1:
-        raise ValueError(
-            f"jaxcomm: onebit_lamb needs freeze_step >= 1 (the frozen LAMB coefficient is an "
-            f"average over the warm-up), got {freeze_step!r}"
-        )
     check_static_range("onebit_lamb", "b1", b1, 0.0, 1.0, high_open=True)  # g~ divides by 1 - b1
     check_static_range("onebit_lamb", "b2", b2, 0.0, 1.0)
     check_static_range("onebit_lamb", "coeff_beta", coeff_beta, 0.0, 1.0)
@@ -209,6 +223,13 @@ def onebit_lamb(
     ):
         if isinstance(low, int | float) and isinstance(high, int | float) and low > high:
             raise ValueError(f"jaxcomm: onebit_lamb needs {names}, got {low!r} > {high!r}")
+    freeze_step = resolve_freeze_step("onebit_lamb", freeze_step, total_steps)
+    static_freeze = static_int(freeze_step)
+    if static_freeze is not None and static_freeze < 1:
+        raise ValueError(
+            f"jaxcomm: onebit_lamb needs freeze_step >= 1 (the frozen LAMB coefficient is an "
+            f"average over the warm-up), got {freeze_step!r}"
+        )
 
     def init_fn(params):
         n = resolve_axis_size(axis_name, axis_size)

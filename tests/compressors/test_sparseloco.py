@@ -291,3 +291,19 @@ def test_diloco_reshard_keeps_the_mean_error_feedback_and_continues_as_the_model
         np.asarray(out.opt_state.comm[0].buckets[0].error), model.error["w"], rtol=0,
         atol=16 * EPS * 8.0,
     )  # fmt: skip
+
+
+def test_defaults_are_the_measured_choice():
+    """``SparseLoCo()``'s defaults are the settings the selection runs chose (the last one's
+    ``chosen`` carries all of them), not the reference class's top-32 / 0.999."""
+    import json
+    import pathlib
+
+    results = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    chosen = json.loads((results / "time_to_loss_select_outer_lr.json").read_text())["chosen"]
+    comp = jc.SparseLoCo()
+    assert comp.top_k == chosen["sparseloco_top_k"] == 128
+    assert comp.error_decay == chosen["sparseloco_error_decay"] == 0.8
+    losses = json.loads((results / "time_to_loss_select_error_decay.json").read_text())
+    by_decay = losses["held_out_loss"]["sparseloco_error_decay"]
+    assert min(by_decay, key=by_decay.get) == str(comp.error_decay)

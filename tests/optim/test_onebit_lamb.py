@@ -218,7 +218,7 @@ def test_onebit_lamb_misuse_is_refused():
         jc.onebit_lamb(coeff_beta=1.5, axis_name="dp")
     with pytest.raises(ValueError, match="factor_threshold"):
         jc.onebit_lamb(factor_threshold=-0.1, axis_name="dp")
-    tx = jc.onebit_lamb(axis_name="dp")
+    tx = jc.onebit_lamb(axis_name="dp", total_steps=100)
     g = {"g": jnp.ones((4,))}
     with pytest.raises(ValueError, match="params"):
         jax.vmap(lambda _: tx.update(g, tx.init(g)), axis_name="dp", axis_size=2)(jnp.zeros(2))

@@ -308,7 +308,7 @@ def test_bf16_params_stay_bf16():
     )
     # Updates come back in the parameters' dtype, also from a direct call.
     g = {k: jnp.ones(s, jnp.float32) for k, s in SHAPES.items()}
-    tx = jc.onebit_adam(0.01, axis_name="dp", compressor=jc.NoCompression())
+    tx = jc.onebit_adam(0.01, axis_name="dp", freeze_step=100, compressor=jc.NoCompression())
     updates = jax.vmap(
         lambda _: tx.update(g, tx.init(params), params)[0], axis_name="dp", axis_size=N
     )(jnp.zeros(N))
@@ -331,7 +331,7 @@ def test_init_axis_size_resolution():
 def test_misuse_is_refused():
     with pytest.raises(TypeError, match="Compressor"):
         jc.onebit_adam(axis_name="dp", compressor="onebit")
-    tx = jc.onebit_adam(weight_decay=0.1, axis_name="dp")
+    tx = jc.onebit_adam(weight_decay=0.1, axis_name="dp", total_steps=100)
     g = {"g": jnp.ones((4,))}
     with pytest.raises(ValueError, match="params"):
         jax.vmap(lambda _: tx.update(g, tx.init(g)), axis_name="dp", axis_size=2)(jnp.zeros(2))

@@ -260,7 +260,13 @@ def test_only_the_sync_crosses_nodes_and_only_its_share(mesh2d, name, comp, bits
     assert synced > loss_only  # the sync does cross
 
 
-@pytest.mark.parametrize("name,comp", [c[:2] for c in COMPRESSORS], ids=[c[0] for c in COMPRESSORS])
+LEARNERS = [c[:2] for c in COMPRESSORS] + [
+    ("topk", jc.TopK(0.1)),
+    ("cast-bf16", jc.Cast(jnp.bfloat16)),
+]
+
+
+@pytest.mark.parametrize("name,comp", LEARNERS, ids=[c[0] for c in LEARNERS])
 def test_compressed_outer_learns_and_nodes_stay_identical(mesh2d, name, comp):
     data = mlp_batches(24, seed=3)
     tx = jc.diloco(

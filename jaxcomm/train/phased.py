@@ -35,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -95,7 +96,8 @@ class PhasedStep:
     when a step first needs it. ``compile_count`` is the number of programs compiled so far.
     """
 
-    #: Threads :meth:`compile_all` compiles the lowered programs in (``None``: one each).
+    #: Threads :meth:`compile_all` compiles the lowered programs in (``None``: one per program,
+    #: at most one per CPU core).
     compile_threads: int | None = None
 
     def __init__(
@@ -225,7 +227,7 @@ class PhasedStep:
             for v in combinations
             if v not in self._programs
         ]
-        workers = max(1, min(len(lowered), self.compile_threads or len(lowered)))
+        workers = max(1, min(len(lowered), self.compile_threads or os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             list(pool.map(lambda program: program.compile(), lowered))
         self._precompiled = True

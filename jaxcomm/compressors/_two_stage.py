@@ -18,7 +18,12 @@ from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
 from jaxcomm.comm.buckets import ceil_div
-from jaxcomm.compressors._base import Compressor, rank_major_pending, rank_major_share
+from jaxcomm.compressors._base import (
+    Compressor,
+    probes_finite,
+    rank_major_pending,
+    rank_major_share,
+)
 
 
 class TwoStageState(NamedTuple):
@@ -84,6 +89,9 @@ class ReduceInFp32(TwoStageFeedback):
 
     error_feedback: bool
     returns_mean = True
+    # All-reduce state leaves arrive as the (1, *local) blocks shard_map hands them and go back
+    # in that shape, so that XLA updates the donated residuals in place (see Compressor).
+    _takes_state_blocks = True
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -153,10 +161,53 @@ class ReduceInFp32(TwoStageFeedback):
         if ef:
             chunk = chunk + state.server_error.reshape(blocks, length)
         wire, recon = self._encode(chunk, 1)
-        new_state = TwoStageState(worker_error, (chunk - recon).reshape(-1)) if ef else state
+        if ef:
+            server_error = (chunk - recon).reshape(state.server_error.shape)
+            new_state = TwoStageState(worker_error.reshape(state.worker_error.shape), server_error)
+        else:
+            new_state = state
         wire = tuple(all_gather_replicated(w, axis_name) for w in wire)
         out = self._decode(wire).reshape(-1)[:numel]
         return out, new_state
+
+    def guarded_all_reduce_bucket(self, flat, state, bucket, *, axis_name, axis_size):
+        """The guard decided from the block scales, before the residuals are written.
+
+        A codec whose decoded values are all finite exactly when some of its wire's values are
+        (``_decoded_finite_probe``: Quantize's block scales) gives the verdict without a pass
+        over the output or the new residuals: this device's worker input is finite iff its
+        worker scales are (so is its new worker residual), and every device's server chunk,
+        hence the output and this device's new server residual, iff the gathered server scales
+        are. The new residuals are then written once, ``where(finite, new, old)``, instead of
+        written, probed, and selected against the old ones (about 9 passes over the worker
+        residual down to 3). Same values and the same verdict as the default guard.
+        """
+        numel = flat.shape[0]
+        blocks, length = self._layout(ceil_div(numel, axis_size))
+        padded = axis_size * blocks * length
+        buf = jnp.pad(flat, (0, padded - numel))
+        if self.error_feedback:
+            buf = buf + state.worker_error
+        wire, recon = self._encode(buf.reshape(axis_size, blocks, length), axis_size)
+        worker_probe = self._decoded_finite_probe(wire, padded, length)
+        if not self.error_feedback or worker_probe is None:
+            return super().guarded_all_reduce_bucket(
+                flat, state, bucket, axis_name=axis_name, axis_size=axis_size
+            )
+        wire = tuple(
+            lax.all_to_all(ensure_varying(w, axis_name), axis_name, 0, 0, tiled=True) for w in wire
+        )
+        chunk = self._reduce_mean(wire, axis_size) + state.server_error.reshape(blocks, length)
+        server_wire, server_recon = self._encode(chunk, 1)
+        gathered = tuple(all_gather_replicated(w, axis_name) for w in server_wire)
+        server_probe = self._decoded_finite_probe(gathered, axis_size * blocks * length, length)
+        finite = probes_finite([worker_probe, server_probe])
+        worker_error, server_error = state.worker_error, state.server_error
+        new_state = TwoStageState(
+            jnp.where(finite, (buf - recon.reshape(-1)).reshape(worker_error.shape), worker_error),
+            jnp.where(finite, (chunk - server_recon).reshape(server_error.shape), server_error),
+        )
+        return self._decode(gathered).reshape(-1)[:numel], new_state, finite
 
     def reduce_scatter(self, rows, state, *, axis_name, axis_size):
         row_numel = rows.shape[1]

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcomm.comm.axes import AxisName
 from jaxcomm.comm.state import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit, keep_if
 from jaxcomm.optim._common import (
@@ -95,7 +96,7 @@ def scale_by_onebit_adam(
     eps: float = 1e-8,
     freeze_step: int | None = None,
     *,
-    axis_name: str,
+    axis_name: AxisName,
     total_steps: int | None = None,
     compressor: Compressor | None = None,
     bucket_bytes: int | None = None,
@@ -294,7 +295,7 @@ def onebit_adam(
     weight_decay: float = 0.0,
     freeze_step: int | None = None,
     *,
-    axis_name: str,
+    axis_name: AxisName,
     total_steps: int | None = None,
     compressor: Compressor | None = None,
     bucket_bytes: int | None = None,

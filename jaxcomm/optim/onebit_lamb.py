@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxcomm.comm.axes import AxisName
 from jaxcomm.comm.state import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit, keep_if
 from jaxcomm.optim._common import (
@@ -83,7 +84,7 @@ def onebit_lamb(
     factor_min: float = 0.5,
     factor_threshold: float = 0.1,
     *,
-    axis_name: str,
+    axis_name: AxisName,
     total_steps: int | None = None,
     compressor: Compressor | None = None,
     bucket_bytes: int | None = None,

@@ -54,9 +54,9 @@ from jaxcomm._compat import backends_initialized, distributed_global_state
 from jaxcomm.runtime.environment import (
     COORDINATOR_ENV,
     DistributedEnv,
-    _format_address,
-    _parse_int,
-    _rank_and_size,
+    format_address,
+    parse_int,
+    rank_and_size,
     resolve_distributed_env,
 )
 from jaxcomm.runtime.host_allocator import configure_host_allocator
@@ -383,7 +383,7 @@ def resolve_slurm_env(env: Mapping[str, str], base: DistributedEnv) -> Distribut
     size_var = next((v for v in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if env.get(v)), None)
     if not env.get("SLURM_PROCID") and size_var is None:
         return base
-    rank, size = _rank_and_size(env, "SLURM_PROCID", size_var or "SLURM_NTASKS")
+    rank, size = rank_and_size(env, "SLURM_PROCID", size_var or "SLURM_NTASKS")
     if base.process_id is not None:
         rank = base.process_id
     if base.num_processes is not None:
@@ -406,13 +406,13 @@ def resolve_slurm_env(env: Mapping[str, str], base: DistributedEnv) -> Distribut
                 f"(or SLURM_JOB_NODELIST) is missing; or set {COORDINATOR_ENV}=host:port."
             )
         host = first_host(env[nodelist_var])
-        coordinator = _format_address(host, _slurm_port(env))
-    local_rank = _parse_int(env, "SLURM_LOCALID")
+        coordinator = format_address(host, _slurm_port(env))
+    local_rank = parse_int(env, "SLURM_LOCALID")
     local_size = None
     per_node_var = next(
         (v for v in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if env.get(v)), None
     )
-    node_id = _parse_int(env, "SLURM_NODEID")
+    node_id = parse_int(env, "SLURM_NODEID")
     if per_node_var is not None:
         try:
             counts = env[per_node_var]
@@ -443,13 +443,13 @@ def _beside_torchrun_store(env: Mapping[str, str], resolved: DistributedEnv) -> 
         or resolved.coordinator_address is None
     ):
         return resolved
-    port = _parse_int(env, "MASTER_PORT", minimum=1)
+    port = parse_int(env, "MASTER_PORT", minimum=1)
     if port is None or port >= 65535:
         raise ValueError(
             f"{AGENT_STORE_ENV} is set: torchrun's store holds MASTER_PORT={port} and the JAX "
             f"coordinator needs MASTER_PORT + 1; set {COORDINATOR_ENV}=host:port instead."
         )
-    address = _format_address(env["MASTER_ADDR"].strip(), port + 1)
+    address = format_address(env["MASTER_ADDR"].strip(), port + 1)
     logger.info("torchrun's agent store holds MASTER_PORT=%s: JAX coordinator at %s", port, address)
     return resolved._replace(coordinator_address=address)
 

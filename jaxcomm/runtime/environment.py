@@ -44,7 +44,7 @@ class DistributedEnv(NamedTuple):
         return None not in (self.coordinator_address, self.num_processes, self.process_id)
 
 
-def _parse_int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int | None:
+def parse_int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int | None:
     """Reads ``env[name]`` as an integer ``>= minimum``; ``None`` when unset or empty."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -58,7 +58,7 @@ def _parse_int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int | 
     return value
 
 
-def _format_address(host: str, port: int) -> str:
+def format_address(host: str, port: int) -> str:
     # Bare IPv6 literals need brackets, or the port is ambiguous.
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
@@ -92,19 +92,19 @@ def _coordinator_from_env(env: Mapping[str, str]) -> str | None:
         raise ValueError("MASTER_PORT is set but MASTER_ADDR is missing.")
     if not addr:
         return None
-    port_num = _parse_int(env, "MASTER_PORT", minimum=1)
+    port_num = parse_int(env, "MASTER_PORT", minimum=1)
     assert port_num is not None
     if port_num > 65535:
         raise ValueError(f"MASTER_PORT={port!r} must be in 1..65535.")
-    return _format_address(addr, port_num)
+    return format_address(addr, port_num)
 
 
-def _rank_and_size(
+def rank_and_size(
     env: Mapping[str, str], rank_var: str, size_var: str
 ) -> tuple[int | None, int | None]:
     """Reads a (rank, world size) pair; both or neither must be set, and rank < size."""
-    rank = _parse_int(env, rank_var)
-    size = _parse_int(env, size_var, minimum=1)
+    rank = parse_int(env, rank_var)
+    size = parse_int(env, size_var, minimum=1)
     if rank is not None and size is None:
         raise ValueError(f"{rank_var} is set but {size_var} is missing.")
     if size is not None and rank is None:
@@ -157,9 +157,9 @@ def resolve_distributed_env(
     source = "jax"
 
     if "RANK" in env or "WORLD_SIZE" in env:
-        rank, size = _rank_and_size(env, "RANK", "WORLD_SIZE")
-        local_rank = _parse_int(env, "LOCAL_RANK")
-        local_size = _parse_int(env, "LOCAL_WORLD_SIZE", minimum=1)
+        rank, size = rank_and_size(env, "RANK", "WORLD_SIZE")
+        local_rank = parse_int(env, "LOCAL_RANK")
+        local_size = parse_int(env, "LOCAL_WORLD_SIZE", minimum=1)
         if env_coord is None and coordinator_address is None:
             raise ValueError(
                 "RANK/WORLD_SIZE are set but MASTER_ADDR and MASTER_PORT are missing "
@@ -167,9 +167,9 @@ def resolve_distributed_env(
             )
         source = "torchrun"
     elif "OMPI_COMM_WORLD_RANK" in env or "OMPI_COMM_WORLD_SIZE" in env:
-        rank, size = _rank_and_size(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
-        local_rank = _parse_int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
-        local_size = _parse_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", minimum=1)
+        rank, size = rank_and_size(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+        local_rank = parse_int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
+        local_size = parse_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", minimum=1)
         if (
             env_coord is None
             and coordinator_address is None

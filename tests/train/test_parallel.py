@@ -151,7 +151,7 @@ def test_state_partition_specs_refuses_an_nnx_state():
     from flax import nnx
 
     model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-    tx = jc.onebit_adam(1e-3, axis_name="dp", axis_size=8)
+    tx = jc.onebit_adam(1e-3, freeze_step=100, axis_name="dp", axis_size=8)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     _, state = nnx.split(optimizer)
     with pytest.raises(TypeError, match="nnx State"):

@@ -56,7 +56,9 @@ def test_exact_data_parallel_is_full_batch_gradient_descent(mesh):
 
 def test_state_layout_and_specs(mesh):
     params, batch = regression()
-    tx = optax.inject_hyperparams(jc.onebit_adam)(learning_rate=0.01, axis_name="dp")
+    tx = optax.inject_hyperparams(jc.onebit_adam, static_args=("freeze_step",))(
+        learning_rate=0.01, freeze_step=100, axis_name="dp"
+    )
     step, state = jc.make_train_step(mesh, "dp", loss_only, tx, params)
     specs = jc.train_state_specs(state, "dp")
     assert jax.tree.leaves(specs.params) == [P(), P()]

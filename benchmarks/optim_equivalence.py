@@ -50,6 +50,27 @@ def optimizers(jc, optax, axis):
         "sharded_int8": jc.sharded(optax.adam(1e-2), axis, compressor=int8, gather_compressor=int8),
         "sharded_onebit": jc.sharded(optax.adamw(1e-2), axis, compressor=jc.OneBit()),
         "demo": jc.demo(1e-3, axis_name=axis, top_k=4, chunk_size=8, weight_decay=1e-2),
+        # The staged codecs with error feedback, in one program and around host exchanges.
+        "compressed_mean_int4_ef": optax.chain(
+            jc.compressed_mean(axis, jc.Quantize(bits=4, block_size=8, error_feedback=True)),
+            optax.adam(1e-2),
+        ),
+        "compressed_mean_bf16_ef": optax.chain(
+            jc.compressed_mean(axis, jc.Cast(error_feedback=True)), optax.adam(1e-2)
+        ),
+        **{
+            f"diloco_{name}{'_background' if background else ''}": jc.diloco(
+                optax.adam(1e-2), optax.sgd(0.7, momentum=0.9, nesterov=True), 4, axis,
+                compressor=comp, overlap_steps=2, background=background,
+            )
+            for name, comp in (
+                ("exact", None),
+                ("onebit", jc.OneBit()),
+                ("int4", jc.Quantize(bits=4, block_size=8, error_feedback=True)),
+                ("bf16", jc.Cast(error_feedback=True)),
+            )
+            for background in (False, True)
+        },
     }
 
 

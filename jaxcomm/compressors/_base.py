@@ -1,4 +1,4 @@
-"""The compressor interface and the exact one (:class:`NoCompression`).
+"""The compressor interface and the guard's helpers.
 
 A compressor turns a flat, fp32 (or native-dtype) bucket into a collective chain. It is a frozen
 dataclass, so it is hashable and can be a static argument of ``jax.jit``; its per-bucket error
@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jaxcomm._compat import all_gather_replicated, ensure_varying
+from jaxcomm._compat import all_gather_replicated
 from jaxcomm.comm.buckets import (
     Bucket,
     concatenated_to_rank_major,
@@ -101,6 +99,13 @@ class Compressor(abc.ABC):
         """
         leaves = jax.tree_util.tree_leaves(state)
         return [output, *(x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact))]
+
+    def staged_codec(self) -> Any:
+        """The :class:`~jaxcomm.compressors.staged.StagedCodec` whose stages compute this
+        compressor's all-reduce where its exchanges leave the program (DiLoCo's background
+        sync), or ``None`` when the compressor has no such stages (PowerSGD, TopK,
+        SparseLoCo)."""
+        return None
 
     def all_gather(self, row: jax.Array, *, axis_name: str, axis_size: int) -> jax.Array:
         """Every device's row, stacked ``(n, C)``. Exact unless a compressor overrides it."""
@@ -272,24 +277,3 @@ def rank_major_share(share: np.ndarray, bucket: Bucket, axis_size: int, length: 
 def keep_if(finite: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``finite``, else ``old``, leaf by leaf."""
     return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-
-
-@dataclass(frozen=True)
-class NoCompression(Compressor):
-    """Exact collectives in each leaf's own dtype, still fused into one collective per bucket.
-
-    Equivalent to ``lax.psum`` / ``lax.pmean`` / ``lax.psum_scatter`` on every leaf, but a tree of
-    300 small leaves costs one collective instead of 300 (DeepSpeed's coalesced operations).
-    """
-
-    lossy = False
-
-    def compute_dtype(self, dtype: np.dtype) -> np.dtype:
-        return np.dtype(dtype)
-
-    def all_reduce(self, flat, state, *, axis_name, axis_size):
-        return lax.psum(flat, axis_name), state
-
-    def reduce_scatter(self, rows, state, *, axis_name, axis_size):
-        row = lax.psum_scatter(ensure_varying(rows, axis_name), axis_name, scatter_dimension=0)
-        return row, state

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm.compressors._two_stage import ReduceInFp32, unrolled_sum
+from jaxcomm.compressors.staged import StagedCodec, unrolled_sum
 
 
 @dataclass(frozen=True)
-class Cast(ReduceInFp32):
+class Cast(StagedCodec):
     """16-bit payload, fp32 reduction (torch's ``fp16_compress_hook`` / ``bf16_compress_hook``).
 
     Worker stage: ``c_j = cast(x_j / n)`` (pre-divided by ``n``, as torch's fp16 hook does, so
@@ -47,10 +47,10 @@ class Cast(ReduceInFp32):
                 f"jaxcomm: Cast dtype must be jnp.bfloat16 or jnp.float16, got {self.dtype!r}"
             )
 
-    def _layout(self, chunk_numel):
+    def chunk_layout(self, chunk_numel):
         return 1, chunk_numel
 
-    def _encode(self, blocks, divisor):
+    def encode(self, blocks, divisor):
         scaled = blocks / divisor if divisor != 1 else blocks
         payload = scaled.astype(self.dtype)
         recon = payload.astype(jnp.float32)
@@ -59,8 +59,8 @@ class Cast(ReduceInFp32):
         bits = lax.bitcast_convert_type(payload, jnp.uint16)
         return (bits,), (recon * divisor if divisor != 1 else recon)
 
-    def _decode(self, wire):
+    def decode(self, wire):
         return lax.bitcast_convert_type(wire[0], self.dtype).astype(jnp.float32)
 
-    def _reduce_mean(self, wire, axis_size):
-        return unrolled_sum(self._decode, wire, axis_size)
+    def reduce(self, received, axis_size):
+        return unrolled_sum(self.decode, received, axis_size)

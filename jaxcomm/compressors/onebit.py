@@ -9,19 +9,21 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying, varying_like
-from jaxcomm.comm.buckets import round_up
-from jaxcomm.compressors._two_stage import TwoStageFeedback, TwoStageScatterState, TwoStageState
+from jaxcomm.comm.buckets import ceil_div, round_up
 from jaxcomm.compressors.signs import (
     decode_leaves,
     decode_mean,
     l2_scale,
     residual,
+    scaled_sign_rows,
     server_chunk,
     server_payload,
+    sign,
     signs_and_scales,
     weighted_sign_sum,
     worker_payload,
 )
+from jaxcomm.compressors.staged import StagedCodec, TwoStageScatterState, TwoStageState
 
 #: OneBit's states are the two-stage states (the same fields); the names stay for readability.
 OneBitState = TwoStageState
@@ -118,13 +120,8 @@ def _plus_error_by_leaf(flat: jax.Array, error: jax.Array, sizes, axis_name) -> 
     return buf
 
 
-def _padded_length(numel: int, axis_size: int) -> int:
-    """DeepSpeed pads the flat buffer to a multiple of ``8 n``: whole bytes in every chunk."""
-    return round_up(numel, 8 * axis_size)
-
-
 @dataclass(frozen=True)
-class OneBit(TwoStageFeedback):
+class OneBit(StagedCodec):
     """DeepSpeed's 1-bit compressed all-reduce with two-stage error feedback.
 
     For a bucket ``x`` of length ``N`` zero-padded to ``Np`` (a multiple of ``8n``), on device
@@ -152,6 +149,7 @@ class OneBit(TwoStageFeedback):
     them, and weights carry no error feedback.
     """
 
+    error_feedback = True  # always: both residuals are kept
     returns_mean = True
     _takes_state_blocks = True
     output_decides_finite = True  # the guarded decoding: NaN, or scale * sign (finite scales)
@@ -168,17 +166,52 @@ class OneBit(TwoStageFeedback):
             probes.append(output[:1])
         return probes
 
-    def init_all_reduce_state(self, numel: int, axis_size: int) -> OneBitState:
-        padded = _padded_length(numel, axis_size)
-        return OneBitState(
-            worker_error=jnp.zeros((padded,), jnp.float32),
-            server_error=jnp.zeros((padded // axis_size,), jnp.float32),
-        )
+    # -- the codec (its stages run by jaxcomm.compressors.staged where the exchanges leave the
+    # program; in one program, the fused forms below compute the same values) ---------------
 
-    def init_reduce_scatter_state(self, row_numel: int, axis_size: int) -> OneBitScatterState:
-        return OneBitScatterState(
-            worker_error=jnp.zeros((axis_size * round_up(row_numel, 8),), jnp.float32)
-        )
+    def chunk_layout(self, chunk_numel):
+        # Rows of 8 signs, one packed byte each: DeepSpeed pads the bucket to a multiple of 8n.
+        return ceil_div(chunk_numel, 8), 8
+
+    def encode(self, blocks, divisor):
+        """Worker stage (``(n, M, 8)``): ``n`` rows of ``M`` packed sign bytes and the
+        buffer's scale; server stage (``(M, 8)``): ``M`` bytes and the chunk's scale."""
+        flat = blocks.reshape(-1)
+        scale = l2_scale(flat)
+        recon = (scale * sign(flat)).reshape(blocks.shape)
+        if blocks.ndim == 3:
+            return (worker_payload(flat, scale, blocks.shape[0]),), recon
+        return (server_payload(blocks, scale),), recon
+
+    def reduce(self, received, axis_size):
+        signs, scales = signs_and_scales(received[0])
+        return weighted_sign_sum(signs, scales / axis_size)
+
+    def decode(self, wire):
+        signs, scales = signs_and_scales(wire[0])
+        return scaled_sign_rows(signs, scales[:, None])
+
+    def wire_finite(self, wire, numel, length):
+        # Every value is a scale times a sign: the scales decide.
+        return signs_and_scales(wire[0].reshape(-1, wire[0].shape[-1]))[1]
+
+    def received_finite(self, received):
+        return jnp.all(jnp.isfinite(signs_and_scales(received[0])[1]))
+
+    def keeps_old_worker_error(self, finite, received_ok):
+        # Kept when a worker scale was not finite (a non-finite input anywhere).
+        return ~received_ok
+
+    def settle_server_error(self, finite, received_ok, new, old):
+        # Finite inputs whose server sum overflowed leave no finite e_s to keep: it restarts
+        # from zero.
+        return jnp.where(finite, new, jnp.where(received_ok, 0.0, old))
+
+    def all_gather(self, row, *, axis_name, axis_size):
+        """Exact: 1-bit weights would destroy them, and weights carry no error feedback."""
+        return all_gather_replicated(row, axis_name)
+
+    # -- the fused forms in one program --------------------------------------------------------
 
     def _exchange(self, buf, worker_error, axis_name, axis_size, guard):
         """Stages 1-2: compress ``buf`` (the input plus ``e_w``), all_to_all the signs with the

@@ -10,8 +10,8 @@ import numpy as np
 from jax import lax
 
 from jaxcomm.comm.buckets import ceil_div, round_up
-from jaxcomm.compressors._two_stage import (
-    ReduceInFp32,
+from jaxcomm.compressors.staged import (
+    StagedCodec,
     TwoStageScatterState,
     TwoStageState,
     unrolled_sum,
@@ -67,7 +67,7 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class Quantize(ReduceInFp32):
+class Quantize(StagedCodec):
     """Blockwise symmetric int8/int4 quantization, reduced in fp32 (ZeRO++ qgZ, qwZ).
 
     Quantizer (Wang et al., *ZeRO++*, 2023): per block of at most ``block_size`` elements,
@@ -114,21 +114,21 @@ class Quantize(ReduceInFp32):
                 f"jaxcomm: Quantize block_size must be an int >= 2, got {self.block_size!r}"
             )
 
-    def _layout(self, chunk_numel):
+    def chunk_layout(self, chunk_numel):
         return block_layout(chunk_numel, self.block_size, self.bits)
 
-    def _encode(self, blocks, divisor):
+    def encode(self, blocks, divisor):
         del divisor  # absmax scaling is scale-invariant: nothing to guard
         q, inv = quantize_blocks(blocks, self.bits)
         recon = q.astype(jnp.float32) * inv[..., None]
         return ((pack_int4(q) if self.bits == 4 else q), inv), recon
 
-    def _decode(self, wire):
+    def decode(self, wire):
         codes, inv = wire
         q = unpack_int4(codes) if self.bits == 4 else codes
         return q.astype(jnp.float32) * inv[..., None]
 
-    def _decoded_finite_probe(self, wire, numel, length):
+    def wire_finite(self, wire, numel, length):
         """The scales of the blocks that hold the first ``numel`` elements.
 
         A block decodes to ``q * inv`` with ``|q| <= 2^(b-1)`` and ``inv ~ absmax / 2^(b-1)``
@@ -138,6 +138,6 @@ class Quantize(ReduceInFp32):
         _, inv = wire
         return inv.reshape(-1)[: ceil_div(numel, length)]
 
-    def _reduce_mean(self, wire, axis_size):
-        codes, inv = wire
-        return unrolled_sum(self._decode, (codes, inv / axis_size), axis_size)
+    def reduce(self, received, axis_size):
+        codes, inv = received
+        return unrolled_sum(self.decode, (codes, inv / axis_size), axis_size)

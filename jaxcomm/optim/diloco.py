@@ -102,7 +102,7 @@ from jaxcomm.optim.diloco_outer import (
     make_outer_step,
     periodic,
 )
-from jaxcomm.optim.diloco_stages import check_staged
+from jaxcomm.optim.diloco_programs import check_staged
 from jaxcomm.optim.diloco_state import (
     DiLoCoLocal,
     DiLoCoState,

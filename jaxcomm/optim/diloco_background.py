@@ -12,7 +12,7 @@ which ``jc.make_train_step`` attaches to the step it returns, runs each sync bes
    a host thread moves the worker stage's wire between the processes over TCP
    (:mod:`jaxcomm.optim.diloco_exchange`; the devices of one process exchange in memory);
 2. the thread dispatches the server stage, moves its wire again, and dispatches the decoding
-   (:mod:`jaxcomm.optim.diloco_stages`);
+   (:mod:`jaxcomm.optim.diloco_programs`, the stages of :mod:`jaxcomm.compressors.staged`);
 3. before step ``t_s + tau`` the step waits for the thread, puts the mean into the state's
    ``inflight`` slot and the new error feedback into ``comm``, and that step merges it exactly
    as the single-program ``overlap_steps=tau`` does: the same parameters, bit for bit.
@@ -328,9 +328,8 @@ class BackgroundSync:
         mean, flags = programs.finish(gathered, workers, servers, kept)
         if not flags:
             return mean, None
-        bad, count, *settled = flags  # OneBit's finish settles the server residuals
-        servers = settled[0] if settled else servers
-        keep_old = {pos for pos, (flag,) in self._rows([bad]).items() if flag}
+        keep, count, servers = flags  # the server residuals as the guard settled them
+        keep_old = {pos for pos, (flag,) in self._rows([keep]).items() if flag}
         return mean, (workers, servers, count, keep_old)
 
     def _merge(self, state, f: int, t_i: int, future):

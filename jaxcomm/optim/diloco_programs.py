@@ -1,25 +1,143 @@
 """The device programs of one fragment's background DiLoCo sync.
 
-:mod:`jaxcomm.optim.diloco_background` runs a sync as device programs around host exchanges;
-these are the programs, each a ``shard_map`` over the data axis compiled on first use, built
-from the stages of :mod:`jaxcomm.optim.diloco_stages`:
+:mod:`jaxcomm.optim.diloco_background` runs a sync as device programs around host exchanges
+(:mod:`jaxcomm.optim.diloco_exchange`): the transport of the staged codec's exchanges is the
+host network. The programs run the compressor's stages (:mod:`jaxcomm.compressors.staged`, the
+arithmetic the in-program all-reduce runs), one bucket at a time; each program is a
+``shard_map`` over the data axis, compiled on first use:
 
 * ``issue(theta, params, comm)``: before step ``t_s + 1``, each device's pseudo-gradient
   ``theta_f - x_f`` (fp32, as the single-program step takes it) and the worker stage on it;
 * ``worker(pending, comm)``: the worker stage from a stored pseudo-gradient (a sync reissued
   from a restored state);
-* ``server(received, kept)`` and ``finish(gathered, workers, servers, kept)``: the server stage
-  and the decoding with the non-finite guard's check.
+* ``server(received, kept)``: the server stage;
+* ``finish(gathered, workers, servers, kept)``: the decoding with the non-finite guard's
+  verdict, and the error feedback it settles.
+
+Only what the later stages read of the old state is copied at the worker stage (the server
+residuals, the non-finite count and the worker payloads' finiteness probes: the next step
+donates the state); the old worker residuals stay in the state, where the host finds them when
+the guard keeps them. With more than one bucket, any bucket whose mean is not finite skips the
+whole sync: every bucket keeps its error feedback (DiLoCo's skipped sync).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.compressors import Compressor
-from jaxcomm.optim import diloco_stages as stages
+from jaxcomm.comm.buckets import Bucket, ceil_div, flatten_bucket, unflatten_bucket
+from jaxcomm.comm.state import ReduceState, plan_tree
+from jaxcomm.compressors import (
+    Compressor,
+    StagedCodec,
+    TwoStageState,
+    finish_stage,
+    guarded_finish,
+    server_stage,
+    worker_stage,
+)
+
+
+def check_staged(compressor: Compressor | None) -> None:
+    """Refuse, with the fix, a compressor whose all-reduce has no stages to run around host
+    exchanges."""
+    if compressor is None or compressor.staged_codec() is not None:
+        return
+    raise ValueError(
+        f"jaxcomm: diloco(background=True) runs the outer gradient's reduction as device "
+        f"programs around host exchanges, which needs a staged codec (compressor=None, "
+        f"jc.Quantize, jc.Cast, jc.OneBit); got {compressor!r}: use one of these, or "
+        "background=False"
+    )
+
+
+class Plan(NamedTuple):
+    """Static layout of one fragment's reduction: its codec, buckets and chunk layouts."""
+
+    codec: StagedCodec
+    buckets: tuple[Bucket, ...]
+    layouts: tuple[tuple[int, int], ...]  # (blocks B, length L) of each bucket's chunk
+
+    @property
+    def guarded(self) -> bool:
+        """Error feedback: the residuals go through the non-finite guard."""
+        return self.codec.error_feedback
+
+
+def plan(compressor: Compressor, leaves, bucket_bytes, axis_size: int) -> Plan:
+    _, _, buckets = plan_tree(list(leaves), compressor, bucket_bytes)
+    codec = compressor.staged_codec()
+    layouts = tuple(codec.chunk_layout(ceil_div(b.numel, axis_size)) for b in buckets)
+    return Plan(codec, tuple(buckets), layouts)
+
+
+def worker(p: Plan, leaves, comm: ReduceState, n: int):
+    """The worker stage on one device: ``(wires, worker residuals, probes)``; ``wires[k]`` is
+    bucket ``k``'s tuple of ``(n, ...)`` arrays, row ``q`` for device ``q``."""
+    outs = [
+        worker_stage(
+            p.codec,
+            flatten_bucket(leaves, bucket),
+            comm.buckets[k].worker_error if p.guarded else None,
+            layout,
+            n,
+        )
+        for k, (bucket, layout) in enumerate(zip(p.buckets, p.layouts, strict=True))
+    ]
+    return [o.wire for o in outs], [o.error for o in outs], [o.probe for o in outs]
+
+
+def kept(p: Plan, comm: ReduceState, probes):
+    """What the server and finish stages read of the old state, copied (the next step donates
+    it): each bucket's server residual, the non-finite count, and the worker probes (``()``
+    without error feedback)."""
+    if not p.guarded:
+        return ()
+    return [jnp.copy(b.server_error) for b in comm.buckets], jnp.copy(comm.nonfinite), probes
+
+
+def server(p: Plan, received, kept):
+    """The server stage on one device: ``(wires to gather, [(server residual, whether the
+    received wires were finite)])``."""
+    outs = [
+        server_stage(p.codec, received[k], kept[0][k] if p.guarded else None, layout)
+        for k, layout in enumerate(p.layouts)
+    ]
+    return [o.wire for o in outs], [(o.error, o.received_ok) for o in outs]
+
+
+def finish(p: Plan, gathered, workers, servers, kept, n: int):
+    """The decoding on every device: ``(the mean's leaves in fragment order, flags)``;
+    ``flags``: ``()`` without error feedback, else ``(keep_old, count, server residuals)``:
+    whether this device keeps its old residuals, the non-finite count after the sync, and the
+    server residuals as the guard settles them."""
+    out: list = [None] * sum(len(b.leaf_ids) for b in p.buckets)
+    any_bad, keep_old, settled = jnp.bool_(False), None, []
+    for k, (bucket, layout) in enumerate(zip(p.buckets, p.layouts, strict=True)):
+        if p.guarded:
+            new_server, received_ok = servers[k]
+            new = TwoStageState(workers[k], new_server)
+            mean, finite = guarded_finish(
+                p.codec, kept[2][k], gathered[k], bucket.numel, layout, n, new
+            )
+            # The worker residual is the host's to keep (it holds the old one in the state).
+            settled.append(p.codec.settle_server_error(finite, received_ok, new_server, kept[0][k]))
+            keep_old = p.codec.keeps_old_worker_error(finite, received_ok)
+            any_bad = any_bad | ~finite
+        else:
+            mean = finish_stage(p.codec, gathered[k], bucket.numel, n)
+        for i, leaf, dtype in zip(
+            bucket.leaf_ids, unflatten_bucket(mean, bucket), bucket.dtypes, strict=True
+        ):
+            out[i] = leaf.astype(dtype)
+    if not p.guarded:
+        return out, ()
+    keep_old = any_bad if len(p.buckets) > 1 else keep_old
+    return out, (keep_old, kept[1] + any_bad.astype(jnp.int32), settled)
 
 
 class FragmentPrograms:
@@ -28,8 +146,7 @@ class FragmentPrograms:
     def __init__(
         self, compressor: Compressor, axis_name: str, bucket_bytes, mesh, leaves, n: int
     ) -> None:
-        comp = compressor
-        self.plan = p = stages.plan(comp, leaves, bucket_bytes, n)
+        self.plan = p = plan(compressor, leaves, bucket_bytes, n)
         per, rep = P(axis_name), P()
 
         def local(tree):
@@ -38,23 +155,21 @@ class FragmentPrograms:
         def block(tree):
             return jax.tree.map(lambda x: x[None], tree)
 
-        def worker(pending, comm):
-            wires, residuals = stages.worker(comp, p, local(pending), local(comm), n)
-            return block(wires), block(residuals), block(stages.kept(p, local(comm)))
+        def run_worker(pending, comm):
+            wires, residuals, probes = worker(p, local(pending), local(comm), n)
+            return block(wires), block(residuals), block(kept(p, local(comm), probes))
 
         def issue(theta, params, comm):
             pending = [
                 a - jnp.asarray(x, jnp.float32) for a, x in zip(theta, local(params), strict=True)
             ]
-            return (block(pending), *worker(block(pending), comm))
+            return (block(pending), *run_worker(block(pending), comm))
 
-        def server(received, kept):
-            return block(stages.server(comp, p, local(received), local(kept), n))
+        def run_server(received, kept):
+            return block(server(p, local(received), local(kept)))
 
-        def finish(gathered, workers, servers, kept):
-            mean, flags = stages.finish(
-                comp, p, gathered, local(workers), local(servers), local(kept), n
-            )
+        def run_finish(gathered, workers, servers, kept):
+            mean, flags = finish(p, gathered, local(workers), local(servers), local(kept), n)
             return mean, block(flags)
 
         def program(fn, in_specs, out_specs):
@@ -62,6 +177,6 @@ class FragmentPrograms:
             return jax.jit(mapped)
 
         self.issue = program(issue, (rep, per, per), (per, per, per, per))
-        self.worker = program(worker, (per, per), (per, per, per))
-        self.server = program(server, (per, per), (per, per))
-        self.finish = program(finish, (rep, per, per, per), (rep, per))
+        self.worker = program(run_worker, (per, per), (per, per, per))
+        self.server = program(run_server, (per, per), (per, per))
+        self.finish = program(run_finish, (rep, per, per, per), (rep, per))

@@ -10,7 +10,6 @@ Public names are exported from :mod:`jaxcomm`.
 from jaxcomm.compressors._base import Compressor as Compressor
 from jaxcomm.compressors._base import keep_if as keep_if
 from jaxcomm.compressors._base import mean_or_fallback as mean_or_fallback
-from jaxcomm.compressors._base import probes_finite as probes_finite
 from jaxcomm.compressors.cast import Cast as Cast
 from jaxcomm.compressors.exact import ExactCodec as ExactCodec
 from jaxcomm.compressors.exact import NoCompression as NoCompression
@@ -31,16 +30,12 @@ from jaxcomm.compressors.signs import unpack_signs as unpack_signs
 from jaxcomm.compressors.sparseloco import SparseLoCo as SparseLoCo
 from jaxcomm.compressors.sparseloco import SparseLoCoState as SparseLoCoState
 from jaxcomm.compressors.staged import AxisTransport as AxisTransport
-from jaxcomm.compressors.staged import ServerOut as ServerOut
 from jaxcomm.compressors.staged import StagedCodec as StagedCodec
-from jaxcomm.compressors.staged import Transport as Transport
 from jaxcomm.compressors.staged import TwoStageScatterState as TwoStageScatterState
 from jaxcomm.compressors.staged import TwoStageState as TwoStageState
-from jaxcomm.compressors.staged import WorkerOut as WorkerOut
 from jaxcomm.compressors.staged import finish_stage as finish_stage
 from jaxcomm.compressors.staged import guarded_finish as guarded_finish
 from jaxcomm.compressors.staged import server_stage as server_stage
-from jaxcomm.compressors.staged import settle as settle
 from jaxcomm.compressors.staged import worker_stage as worker_stage
 from jaxcomm.compressors.topk import TopK as TopK
 from jaxcomm.compressors.topk import TopKState as TopKState

@@ -256,8 +256,8 @@ def _trace(run, H: int) -> dict:
     ``cpu_s``: the process's CPU seconds (all threads) over the cycle."""
     import jax
 
-    from jaxcomm.optim import diloco_background as bg
-    from jaxcomm.optim import diloco_exchange as ex
+    from jaxcomm.optim.diloco import background as bg
+    from jaxcomm.runtime import host_links as ex
 
     stages, t0 = [], time.perf_counter()
 

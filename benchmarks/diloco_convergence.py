@@ -110,7 +110,7 @@ def train(name: str, cfg, mesh, data, steps: int, eval_every: int) -> dict:
 
     import jaxcomm as jc
     from jaxcomm.cli.progress import StepLog
-    from jaxcomm.optim.diloco_state import fragment_leaves, fragment_offsets
+    from jaxcomm.optim.diloco.state import fragment_leaves, fragment_offsets
 
     H, comp_name, F, tau = RUNS[name]
     axis = mesh.axis_names[0]

@@ -41,8 +41,7 @@ from jaxcomm.inspect import CommsReport, comms_report, wire_bytes_by_axes
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
 from jaxcomm.optim.demo import DemoLocal, DemoState, demo
 from jaxcomm.optim.diloco import diloco
-from jaxcomm.optim.diloco_exchange import SyncError
-from jaxcomm.optim.diloco_state import DiLoCoLocal, DiLoCoState, diloco_params
+from jaxcomm.optim.diloco.state import DiLoCoLocal, DiLoCoState, diloco_params
 from jaxcomm.optim.onebit_adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
 from jaxcomm.optim.onebit_lamb import OneBitLambState, onebit_lamb
 from jaxcomm.optim.schedule import phase, phase_cond, phase_switch
@@ -50,6 +49,7 @@ from jaxcomm.optim.sharded import ShardedState, sharded
 from jaxcomm.optim.zero_one_adam import LocalState, ZeroOneAdamState, zero_one_adam
 from jaxcomm.runtime import DistributedInfo, configure_host_allocator, init_distributed, xla_flags
 from jaxcomm.runtime.host_allocator import apply_default as _apply_host_allocator_default
+from jaxcomm.runtime.host_links import SyncError
 from jaxcomm.train.layout import (
     TrainState,
     from_pmap_layout,

@@ -117,6 +117,11 @@ STATE_TYPES = {"all_reduce": ReduceState, "reduce_scatter": ScatterState}
 
 def check_compressor(compressor: Any) -> Compressor:
     """``compressor`` if it is a jaxcomm :class:`Compressor`, else a clear ``TypeError``."""
+    if isinstance(compressor, type):
+        raise TypeError(
+            f"jaxcomm: compressor must be a compressor instance, got the class "
+            f"{compressor.__name__}: write {compressor.__name__}(...)"
+        )
     if not isinstance(compressor, Compressor):
         raise TypeError(
             f"jaxcomm: compressor must be a jaxcomm Compressor (e.g. jc.OneBit()), "

@@ -24,7 +24,7 @@ hooks); the stages are written once, here. The *transport* is how the two exchan
   device a share of the bucket, and the stages run on that share over the slow axis
   (:mod:`jaxcomm.comm.two_level`);
 * as three device programs with host exchanges between them (DiLoCo's background sync:
-  :mod:`jaxcomm.optim.diloco_programs` runs the stages, :mod:`jaxcomm.optim.diloco_exchange`
+  :mod:`jaxcomm.optim.diloco.programs` runs the stages, :mod:`jaxcomm.runtime.host_links`
   moves the wires over TCP).
 
 A new compressor implements the codec once and works in every transport.

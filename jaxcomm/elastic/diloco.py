@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxcomm.compressors import Compressor
 from jaxcomm.elastic.resize import merge_rows, resize_state
-from jaxcomm.optim.diloco_state import (
+from jaxcomm.optim.diloco.state import (
     DiLoCoState,
     check_compressor,
     check_int,

@@ -64,7 +64,7 @@ from jaxcomm.comm.state import ReduceState, ScatterState, init_state, is_per_dev
 from jaxcomm.compressors import Compressor
 from jaxcomm.elastic.diloco import resize_diloco_state
 from jaxcomm.elastic.resize import merge_rows, resize_state
-from jaxcomm.optim.diloco_state import DiLoCoState
+from jaxcomm.optim.diloco.state import DiLoCoState
 from jaxcomm.optim.sharded import ShardedState
 from jaxcomm.train.layout import (
     TrainState,

@@ -15,7 +15,8 @@ One module per optimizer family (the public names are re-exported by :mod:`jaxco
   each device's momentum chunks all-gathered, a sign update).
 * :mod:`~jaxcomm.optim.sharded`: ZeRO 1-2 around any optax transformation (compressed
   reduce-scatter and all-gather).
-* :mod:`~jaxcomm.optim.diloco`: DiLoCo and Streaming DiLoCo (its state: ``diloco_state``).
+* :mod:`~jaxcomm.optim.diloco`: DiLoCo and Streaming DiLoCo, a package (the transformation,
+  its state, its steps, the background sync).
 * :mod:`~jaxcomm.optim.schedule`: the schedule's phases (``phase``, ``phase_cond``,
   ``phase_switch``), which a phase-specialised train step fixes per program.
 * ``_skip`` (skipping a non-finite step), ``_moments`` (EMA, damped denominators) and

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm.optim._common import is_static_zero
+
 PyTree = Any
 
 
@@ -47,7 +49,7 @@ def damped_denominator(
     eps``, DeepSpeed's rule.
     """
     root = jnp.sqrt(v / scale)
-    if floor is None or _static_zero(floor) or v.size == 0:
+    if floor is None or is_static_zero(floor) or v.size == 0:
         return root + eps
     rms = jnp.sqrt(jnp.mean(v) / scale)
     low = jnp.where(enabled, jnp.asarray(floor, v.dtype) * rms, jnp.zeros_like(rms))
@@ -60,9 +62,6 @@ def apply_mask(tree: PyTree, mask: PyTree | None) -> PyTree:
         return tree
     return jax.tree.map(lambda x, k: x * jnp.asarray(k, x.dtype), tree, mask)
 
-
-def _static_zero(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
 
 
 # Run length: the warm-up of the 1-bit optimizers.

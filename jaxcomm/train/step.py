@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.axes import canonical_axis, mesh_axis_sizes
-from jaxcomm.optim.diloco_background import BackgroundSync, background_spec, driven
+from jaxcomm.optim.diloco.background import BackgroundSync, background_spec, driven
 from jaxcomm.optim.schedule import record_phases
 from jaxcomm.train.layout import (
     TrainState,

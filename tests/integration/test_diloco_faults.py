@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jaxcomm.optim.diloco_background import EXIT_GRACE_S
+from jaxcomm.optim.diloco.background import EXIT_GRACE_S
 from tests.cli.test_launch import _env
 from tests.integration.test_distributed import multiprocess
 

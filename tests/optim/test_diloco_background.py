@@ -16,8 +16,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxcomm as jc
-from jaxcomm.optim import diloco_background
-from jaxcomm.optim.diloco_exchange import SyncError
+from jaxcomm.optim.diloco import background as diloco_background
+from jaxcomm.runtime.host_links import SyncError
 from tests.optim.test_diloco import (
     HYPER,
     B,

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxcomm.comm.state import check_compressor as comm_check_compressor
 from jaxcomm.comm.state import per_device
 from jaxcomm.compressors import Compressor, NoCompression
 
@@ -94,20 +95,8 @@ def check_int(name: str, value, low: int) -> int:
 
 
 def check_compressor(compressor) -> Compressor:
-    if compressor is None:
-        return NoCompression()
-    if isinstance(compressor, type):
-        raise TypeError(
-            f"jaxcomm: diloco compressor must be a compressor instance, got the class "
-            f"{compressor.__name__}: write {compressor.__name__}(...)"
-        )
-    if not isinstance(compressor, Compressor):
-        raise TypeError(
-            "jaxcomm: diloco compressor must be None (exact mean) or a jaxcomm Compressor that "
-            "all-reduces (jc.Quantize(bits=4, error_feedback=True), jc.OneBit(), jc.TopK(...), "
-            f"...), got {compressor!r}"
-        )
-    return compressor
+    """``compressor``, ``None`` meaning the exact mean (:class:`NoCompression`)."""
+    return NoCompression() if compressor is None else comm_check_compressor(compressor)
 
 
 def find_diloco(opt_state: PyTree) -> DiLoCoState:

@@ -10,9 +10,9 @@ which ``jc.make_train_step`` attaches to the step it returns, runs each sync bes
    each device's pseudo-gradient ``theta_f - x_f`` from that step's input state into the state's
    ``local.pending`` slot (the steps pass it on) and runs the compressor's worker stage on it;
    a host thread moves the worker stage's wire between the processes over TCP
-   (:mod:`jaxcomm.optim.diloco_exchange`; the devices of one process exchange in memory);
+   (:mod:`jaxcomm.runtime.host_links`; the devices of one process exchange in memory);
 2. the thread dispatches the server stage, moves its wire again, and dispatches the decoding
-   (:mod:`jaxcomm.optim.diloco_programs`, the stages of :mod:`jaxcomm.compressors.staged`);
+   (:mod:`jaxcomm.optim.diloco.programs`, the stages of :mod:`jaxcomm.compressors.staged`);
 3. before step ``t_s + tau`` the step waits for the thread, puts the mean into the state's
    ``inflight`` slot and the new error feedback into ``comm``, and that step merges it exactly
    as the single-program ``overlap_steps=tau`` does: the same parameters, bit for bit.
@@ -25,7 +25,7 @@ Checkpoints: the state between ``t_s + 1`` and ``t_s + tau`` holds the pending p
 and the error feedback from before the sync, everything the sync reads; a step given a state it
 did not produce (a restored checkpoint) reissues the sync from it, so a resumed run continues
 bit for bit. A sync that cannot exchange (a peer process died, hung or closed its connection)
-raises :class:`jaxcomm.optim.diloco_exchange.SyncError` within ``sync_timeout`` seconds, from
+raises :class:`jaxcomm.runtime.host_links.SyncError` within ``sync_timeout`` seconds, from
 the step that needs its result: never a silent wrong update.
 """
 
@@ -46,15 +46,20 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.comm.state import ReduceState
 from jaxcomm.compressors import Compressor, TwoStageState
-from jaxcomm.optim.diloco_exchange import (
+from jaxcomm.optim.diloco.programs import FragmentPrograms
+from jaxcomm.optim.diloco.state import (
+    DiLoCoState,
+    find_diloco,
+    fragment_leaves,
+    fragment_offsets,
+)
+from jaxcomm.runtime.host_links import (
     HostLinks,
     SyncError,
     all_gather,
     all_to_all,
     bound_exit,
 )
-from jaxcomm.optim.diloco_programs import FragmentPrograms
-from jaxcomm.optim.diloco_state import DiLoCoState, fragment_leaves, fragment_offsets
 
 PyTree = Any
 
@@ -126,16 +131,6 @@ def _replace_diloco(opt_state, **fields):
         return node._replace(**fields) if isinstance(node, DiLoCoState) else node
 
     return jax.tree.map(swap, opt_state, is_leaf=lambda x: isinstance(x, DiLoCoState))
-
-
-def _find(opt_state) -> DiLoCoState:
-    found = []
-    jax.tree.map(
-        lambda n: found.append(n) if isinstance(n, DiLoCoState) else None,
-        opt_state,
-        is_leaf=lambda x: isinstance(x, DiLoCoState),
-    )
-    return found[0]
 
 
 # After a failed sync, Python's exit may take this long before the process ends regardless:
@@ -221,7 +216,7 @@ class BackgroundSync:
 
     def before(self, state):
         if state is not self._last:  # a state this step did not produce: resume from it
-            diloco = _find(state.opt_state)
+            diloco = find_diloco(state.opt_state)
             self._count = int(np.asarray(diloco.count.addressable_data(0)))
             self._inflight.clear()
             for f, offset in enumerate(self.offsets):
@@ -262,7 +257,7 @@ class BackgroundSync:
         """Step ``t_i = t_s + 1`` is next: compute fragment ``f``'s pseudo-gradients from its
         input state into the state's pending slot, start their reduction, and return the
         state with them (the step passes them on: a checkpoint holds them)."""
-        diloco = _find(state.opt_state)
+        diloco = find_diloco(state.opt_state)
         ids = fragment_leaves(len(jax.tree.leaves(state.params)), self.spec.fragments)[f]
         theta, params = jax.tree.leaves(diloco.outer_params), jax.tree.leaves(state.params)
         programs = self._fragment(f, diloco.local.pending[f])
@@ -278,7 +273,7 @@ class BackgroundSync:
 
     def _issue(self, state, f: int, t_i: int) -> None:
         """Resume the sync issued at step ``t_i`` from the pending slot of ``state``."""
-        diloco = _find(state.opt_state)
+        diloco = find_diloco(state.opt_state)
         pending, comm = diloco.local.pending[f], diloco.comm[f]
         programs = self._fragment(f, pending)
         # Dispatched now, before the next step can donate the state it reads.
@@ -348,7 +343,7 @@ class BackgroundSync:
                 f"not finish within sync_timeout={timeout:g} s: a process hung or the link is "
                 "too slow; stopping instead of merging a stale outer gradient"
             ) from err
-        diloco = _find(state.opt_state)
+        diloco = find_diloco(state.opt_state)
         inflight, comms = list(diloco.inflight), list(diloco.comm)
         inflight[f] = list(mean)
         if result is not None:

@@ -1,6 +1,6 @@
-"""Host-side exchanges of a background DiLoCo sync: all_to_all and all_gather over TCP.
+"""Host links: all_to_all and all_gather between processes over TCP, outside any device program.
 
-A background sync (:mod:`jaxcomm.optim.diloco_background`) moves the compressed outer gradient
+A background sync (:mod:`jaxcomm.optim.diloco.background`) moves the compressed outer gradient
 between processes on the host network, outside any XLA program, so that the device keeps
 running inner steps meanwhile (an XLA runtime runs one program at a time per device, and a
 collective cannot outlive its program). Only data moves here, byte for byte: every arithmetic

@@ -1,4 +1,10 @@
-"""DiLoCo's outer step and schedule helpers: what :func:`jaxcomm.diloco` does at a merge.
+"""DiLoCo's steps: the inner step on one device's copy, and the outer step at a merge.
+
+:func:`make_inner_step` runs the inner optimizer on one device's copy. A step whose gradient is
+not finite on a device is not taken there: its parameters and inner state are kept (the update
+is zero). The check reads the gradient before the inner update, so the update runs inside a
+``lax.cond`` whose taken branch updates the donated state in place; checking the new copy
+instead would need a second pass of selects over the state after the update, and copies of it.
 
 :func:`make_outer_step` applies a fragment's reduced outer gradient ``Delta_f`` to the outer
 parameters, ``theta_f <- theta_f + outer.update(Delta_f, outer_state_f, theta_f)``, and mixes
@@ -10,7 +16,7 @@ of the syncs with the number of steps it is sure to hold (a phase's ``steady``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,32 +25,22 @@ from jax import lax
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.axes import AxisName
-from jaxcomm.optim._common import resolve_axis_size
+from jaxcomm.optim._common import resolve_axis_size, varying
 from jaxcomm.optim._skip import all_finite
-from jaxcomm.optim.diloco_state import DiLoCoState, check_int
+from jaxcomm.optim.diloco.state import DiLoCoState, check_int
 from jaxcomm.optim.schedule import STEADY_FOREVER
 
 
-def axis_size_of(axis_name, axis_size: int | None) -> int:
-    """``axis_size`` if given, else the bound axis's size, else ``jax.device_count()``."""
-    if axis_size is not None:
-        return check_int("axis_size", axis_size, 1)
-    try:
-        return int(lax.axis_size(axis_name))
-    except NameError:
-        return jax.device_count()
-
-
 def axis_sizes_of(axis_name, axis_size) -> tuple[int, int | tuple[int, ...]]:
-    """``(devices, axis_size for jc.init_state)``: for one axis both are :func:`axis_size_of`;
-    for a tuple of axes the product of their sizes and the tuple of them, slowest first (the
-    given ``axis_size``, else the bound axes' sizes)."""
-    if isinstance(axis_name, str):
-        n = axis_size_of(axis_name, axis_size)
-        return n, n
+    """``(devices, axis_size for jc.init_state)``: ``axis_size`` if given, else the bound
+    axis's size (for a tuple of axes, the product of their sizes and the tuple of them, slowest
+    first), else, for one unbound axis, ``jax.device_count()``."""
+    if isinstance(axis_name, str) and axis_size is not None:
+        axis_size = check_int("axis_size", axis_size, 1)
     sizes = resolve_axis_size(axis_name, axis_size)
-    sizes = sizes if isinstance(sizes, tuple) else (sizes,)
-    return math.prod(sizes), sizes
+    if isinstance(sizes, tuple):
+        return math.prod(sizes), sizes
+    return sizes, sizes
 
 
 def check_leaves(leaves: Sequence, fragments: int) -> None:
@@ -132,3 +128,50 @@ def make_outer_step(outer: optax.GradientTransformation, alpha, axis_name: AxisN
         return new_theta, new_outer, merged, counts
 
     return outer_step
+
+
+def make_inner_step(inner: optax.GradientTransformation, axis_name: AxisName) -> Callable:
+    """``inner_step(updates, inner_state, params, blocked) -> (ok, inner_updates, inner_state)``.
+
+    ``ok``: this device's gradient is finite (a float sum, see :func:`all_finite`); when it is
+    not, ``inner_updates`` are zeros and ``inner_state`` the input's. ``blocked``: the inner
+    state's leaves are the ``(1, ...)`` blocks of ``jc.local_view`` (the inner optimizer then
+    runs under ``vmap`` over that axis, so it sees its usual shapes and XLA updates its donated
+    state in place).
+    """
+
+    def inner_step(updates, inner_state, params, blocked: bool):
+        def take(updates, inner_state, params):
+            if blocked:
+
+                def block(tree):
+                    return jax.tree.map(lambda x: jnp.reshape(x, (1, *jnp.shape(x))), tree)
+
+                new_updates, new_state = jax.vmap(inner.update)(
+                    block(updates), inner_state, block(params)
+                )
+                new_updates = jax.tree.map(lambda u: u[0], new_updates)
+            else:
+                new_updates, new_state = inner.update(updates, inner_state, params)
+            return varying((new_updates, new_state), axis_name)  # both branches typed alike
+
+        def skip(updates, inner_state, params):
+            shapes = jax.eval_shape(take, updates, inner_state, params)[0]
+            # The gradient itself stands in for the zeros where it can (masked below): zeros
+            # made here are a constant that XLA hoists out of the conditional and copies into
+            # its operands on every step, a write of every leaf.
+            stand_in = jax.tree.map(
+                lambda u, s: (
+                    u if (u.shape, u.dtype) == (s.shape, s.dtype) else jnp.zeros(s.shape, s.dtype)
+                ),
+                updates,
+                shapes,
+            )
+            return varying((stand_in, inner_state), axis_name)
+
+        ok = all_finite(updates)
+        new_updates, new_state = lax.cond(ok, take, skip, updates, inner_state, params)
+        new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
+        return ok, new_updates, new_state
+
+    return inner_step

@@ -40,7 +40,7 @@ runtime runs one program at a time per device, and a collective cannot outlive i
 programs: before step ``t_s + 1`` a device program of its own computes the pseudo-gradients
 from that step's input state, and a host thread runs the compressed mean (device programs
 around host-network exchanges) while the inner steps compute, merged at ``t_s + tau`` with the
-same result (:mod:`jaxcomm.optim.diloco_background`).
+same result (:mod:`jaxcomm.optim.diloco.background`).
 
 Over a tuple of mesh axes, slowest first (``axis_name=("host", "local")`` on
 ``jax.make_mesh((nodes, devices_per_node), ("host", "local"))``, as MaxText's ``diloco`` axis),
@@ -93,23 +93,23 @@ from jaxcomm.comm.state import init_state
 from jaxcomm.compressors import Compressor
 from jaxcomm.optim._common import varying
 from jaxcomm.optim._skip import all_finite, check_skips, keep_error_feedback
-from jaxcomm.optim.diloco_background import BackgroundSpec, check_driven, register
-from jaxcomm.optim.diloco_inner import make_inner_step
-from jaxcomm.optim.diloco_outer import (
-    axis_sizes_of,
-    check_leaves,
-    check_update,
-    make_outer_step,
-    periodic,
-)
-from jaxcomm.optim.diloco_programs import check_staged
-from jaxcomm.optim.diloco_state import (
+from jaxcomm.optim.diloco.background import BackgroundSpec, check_driven, register
+from jaxcomm.optim.diloco.programs import check_staged
+from jaxcomm.optim.diloco.state import (
     DiLoCoLocal,
     DiLoCoState,
     check_compressor,
     check_int,
     fragment_leaves,
     fragment_offsets,
+)
+from jaxcomm.optim.diloco.steps import (
+    axis_sizes_of,
+    check_leaves,
+    check_update,
+    make_inner_step,
+    make_outer_step,
+    periodic,
 )
 from jaxcomm.optim.schedule import phase, phase_cond
 
@@ -166,7 +166,7 @@ def diloco(
       background: run each sync's reduction on a host thread while the next ``tau - 1`` inner
         steps compute (``overlap_steps >= 2``; ``compressor`` ``None``, ``jc.Quantize``,
         ``jc.Cast`` or ``jc.OneBit``; through ``jc.make_train_step``, which drives it). Same
-        parameters as ``background=False``; see :mod:`jaxcomm.optim.diloco_background`.
+        parameters as ``background=False``; see :mod:`jaxcomm.optim.diloco.background`.
       sync_timeout: with ``background``, seconds a sync may take before the step that needs
         it raises ``SyncError`` (a process died or hung).
 
@@ -293,7 +293,7 @@ def diloco(
             # Over a tuple of axes a replica is a slow-axis group: its devices step together
             # on the exact mean of their gradients (plain data parallel inside a node).
             updates = lax.pmean(updates, fast)
-        # Per device: a step whose gradient is not finite is not taken (diloco_inner).
+        # Per device: a step whose gradient is not finite is not taken (make_inner_step).
         ok, inner_updates, inner_state = inner_step(
             updates, state.local.inner, params, jnp.ndim(state.local.nonfinite) == 1
         )
@@ -327,7 +327,7 @@ def diloco(
                     synced, sync, keep, th, x, outers[f], comms[f], counts
                 )
             else:
-                # With background=True, the host side (diloco_background) computes this
+                # With background=True, the host side (diloco.background) computes this
                 # fragment's pseudo-gradients into the state's pending slot from the input
                 # state of step t_s + 1 and reduces them meanwhile: the steps pass them on.
                 if not background:

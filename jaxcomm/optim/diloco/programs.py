@@ -1,7 +1,7 @@
 """The device programs of one fragment's background DiLoCo sync.
 
-:mod:`jaxcomm.optim.diloco_background` runs a sync as device programs around host exchanges
-(:mod:`jaxcomm.optim.diloco_exchange`): the transport of the staged codec's exchanges is the
+:mod:`jaxcomm.optim.diloco.background` runs a sync as device programs around host exchanges
+(:mod:`jaxcomm.runtime.host_links`): the transport of the staged codec's exchanges is the
 host network. The programs run the compressor's stages (:mod:`jaxcomm.compressors.staged`, the
 arithmetic the in-program all-reduce runs), one bucket at a time; each program is a
 ``shard_map`` over the data axis, compiled on first use:

@@ -96,7 +96,15 @@ def check_int(name: str, value, low: int) -> int:
 
 def check_compressor(compressor) -> Compressor:
     """``compressor``, ``None`` meaning the exact mean (:class:`NoCompression`)."""
-    return NoCompression() if compressor is None else comm_check_compressor(compressor)
+    if compressor is None:
+        return NoCompression()
+    if not isinstance(compressor, Compressor | type):
+        raise TypeError(
+            "jaxcomm: diloco compressor must be None (exact mean) or a jaxcomm Compressor that "
+            "all-reduces (jc.Quantize(bits=4, error_feedback=True), jc.OneBit(), jc.TopK(...), "
+            f"...), got {compressor!r}"
+        )
+    return comm_check_compressor(compressor)
 
 
 def find_diloco(opt_state: PyTree) -> DiLoCoState:

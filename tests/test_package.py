@@ -46,8 +46,8 @@ def _documented_layers() -> dict[str, int]:
 
 # One layer per top-level module or folder of jaxcomm/: a module imports only from its own
 # layer or lower ones. The package (jaxcomm/__init__.py) sits above them all. A module of a
-# folder may have a layer of its own ("comm.buckets": the compressors lay out their buffers
-# with it, the rest of comm/ calls the compressors); the longest entry that names it counts.
+# folder may have a layer of its own ("comm.axes": every layer reads axis names with it); the
+# longest entry that names it counts.
 LAYERS = _documented_layers()
 # The command line: may import anything, never imported by the library.
 COMMAND = ("cli", "__main__")

@@ -22,10 +22,10 @@ from jax import lax
 
 from jaxcomm._compat import bound_axis_size
 from jaxcomm.comm.all_reduce import compressed_pmean, compressed_psum
-from jaxcomm.comm.buckets import flatten_bucket, map_buckets, plan_buckets, unflatten_bucket
 from jaxcomm.comm.scatter_gather import compressed_all_gather, compressed_pmean_scatter
 from jaxcomm.comm.state import StateOp, init_state
 from jaxcomm.compressors import Compressor, NoCompression
+from jaxcomm.compressors.buckets import flatten_bucket, map_buckets, plan_buckets, unflatten_bucket
 
 PyTree = Any
 

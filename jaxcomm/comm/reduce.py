@@ -1,11 +1,12 @@
 """The bucket reduction every compressed collective runs: plan, check, one chain per bucket.
 
-:func:`reduce_tree` plans the tree's buckets (:mod:`jaxcomm.comm.buckets`), checks the state
-(:func:`jaxcomm.comm.state.check_state`), runs :func:`jaxcomm.comm.buckets.map_buckets` with one
-collective chain per bucket (the chosen compressor, :mod:`jaxcomm.compressors`; integer and bool
-buckets exactly, through :data:`EXACT`), turns the compressor's sum or mean into the one asked
-for (here only), restores every leaf's shape and dtype, and passes the new error feedback
-through the non-finite guard (:func:`jaxcomm.comm.state.keep_finite`). The all-reduces
+:func:`reduce_tree` plans the tree's buckets (:mod:`jaxcomm.compressors.buckets`), checks the
+state (:func:`jaxcomm.comm.state.check_state`), runs
+:func:`jaxcomm.compressors.buckets.map_buckets` with one collective chain per bucket (the
+chosen compressor, :mod:`jaxcomm.compressors`; integer and bool buckets exactly, through
+:data:`EXACT`), turns the compressor's sum or mean into the one asked for (here only),
+restores every leaf's shape and dtype, and passes the new error feedback through the
+non-finite guard (:func:`jaxcomm.comm.state.keep_finite`). The all-reduces
 (:mod:`jaxcomm.comm.all_reduce`) and reduce-scatters (:mod:`jaxcomm.comm.scatter_gather`) are
 thin calls of it.
 """
@@ -21,7 +22,10 @@ import numpy as np
 
 from jaxcomm._compat import bound_axis_size
 from jaxcomm.comm.axes import axis_names
-from jaxcomm.comm.buckets import (
+from jaxcomm.comm.state import StateOp, as_local_block, check_state, keep_finite, plan_tree
+from jaxcomm.comm.two_level import gather_shares, scatter_rows, scatter_share, share_bucket
+from jaxcomm.compressors import Compressor, NoCompression, mean_or_fallback
+from jaxcomm.compressors.buckets import (
     flatten_bucket,
     flatten_bucket_rank_major,
     map_buckets,
@@ -29,9 +33,6 @@ from jaxcomm.comm.buckets import (
     split_shard,
     unflatten_bucket,
 )
-from jaxcomm.comm.state import StateOp, as_local_block, check_state, keep_finite, plan_tree
-from jaxcomm.comm.two_level import gather_shares, scatter_rows, scatter_share, share_bucket
-from jaxcomm.compressors import Compressor, NoCompression, mean_or_fallback
 
 PyTree = Any
 

@@ -1,5 +1,5 @@
 """Compressed, coalesced reduce-scatter and all-gather of whole pytrees (DeepSpeed's
-``reduce_scatter_coalesced``), in the rank-major layout of :mod:`jaxcomm.comm.buckets`.
+``reduce_scatter_coalesced``), in the rank-major layout of :mod:`jaxcomm.compressors.buckets`.
 
 The reduce-scatters are calls of :func:`jaxcomm.comm.reduce.reduce_tree`; the all-gather (no
 error feedback) runs its own bucket loop. State: ``jc.init_state(..., op="reduce_scatter")``.
@@ -15,11 +15,11 @@ import jax.numpy as jnp
 
 from jaxcomm._compat import bound_axis_size, ensure_varying
 from jaxcomm.comm.axes import AxisName, axis_names
-from jaxcomm.comm.buckets import ceil_div, join_shards, map_buckets, unflatten_rank_major
 from jaxcomm.comm.reduce import EXACT, reduce_tree
 from jaxcomm.comm.state import ScatterState, plan_tree
 from jaxcomm.comm.two_level import gather_rows
 from jaxcomm.compressors import Compressor
+from jaxcomm.compressors.buckets import ceil_div, join_shards, map_buckets, unflatten_rank_major
 
 PyTree = Any
 

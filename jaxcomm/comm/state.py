@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm.comm.axes import level_sizes
-from jaxcomm.comm.buckets import Bucket, check_leaves, plan_buckets
 from jaxcomm.comm.two_level import share_bucket
 from jaxcomm.compressors import Compressor
+from jaxcomm.compressors.buckets import Bucket, check_leaves, plan_buckets
 
 PyTree = Any
 StateOp = Literal["all_reduce", "reduce_scatter"]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
-from jaxcomm.comm.buckets import Bucket, ceil_div
+from jaxcomm.compressors.buckets import Bucket, ceil_div
 
 
 def share_bucket(bucket: Bucket, slow_size: int, fast_size: int, op: str) -> Bucket:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm._compat import all_gather_replicated
-from jaxcomm.comm.buckets import (
+from jaxcomm.compressors.buckets import (
     Bucket,
     concatenated_to_rank_major,
     rank_major_to_concatenated,
@@ -113,7 +113,7 @@ class Compressor(abc.ABC):
 
     # Bucket-aware entry points, called by jaxcomm.comm.reduce. By default they forward to the
     # flat methods above; a compressor that needs the leaves' shapes (PowerSGD views leaves as
-    # matrices) overrides them. ``bucket`` is a static :class:`jaxcomm.comm.buckets.Bucket`.
+    # matrices) overrides them. ``bucket`` is a static :class:`jaxcomm.compressors.buckets.Bucket`.
 
     def init_bucket_state(self, bucket: Bucket, axis_size: int, op: str) -> Any:
         """State of one bucket for ``op`` (``"all_reduce"`` or ``"reduce_scatter"``)."""

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying, varying_like
-from jaxcomm.comm.buckets import ceil_div, round_up
+from jaxcomm.compressors.buckets import ceil_div, round_up
 from jaxcomm.compressors.signs import (
     decode_leaves,
     decode_mean,

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm.comm.buckets import Bucket, concatenated_to_rank_major
 from jaxcomm.compressors._base import Compressor
+from jaxcomm.compressors.buckets import Bucket, concatenated_to_rank_major
 
 _FP32_MAX = float(np.finfo(np.float32).max)
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm.comm.buckets import ceil_div, round_up
+from jaxcomm.compressors.buckets import ceil_div, round_up
 from jaxcomm.compressors.staged import (
     StagedCodec,
     TwoStageScatterState,

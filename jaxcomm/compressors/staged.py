@@ -43,13 +43,13 @@ import numpy as np
 from jax import lax
 
 from jaxcomm._compat import all_gather_replicated, ensure_varying
-from jaxcomm.comm.buckets import ceil_div
 from jaxcomm.compressors._base import (
     Compressor,
     probes_finite,
     rank_major_pending,
     rank_major_share,
 )
+from jaxcomm.compressors.buckets import ceil_div
 
 #: A payload: the arrays one stage sends, each with a leading ``(n, ...)`` row per destination
 #: at the worker stage.

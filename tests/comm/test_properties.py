@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.comm.buckets import plan_buckets
+from jaxcomm.compressors.buckets import plan_buckets
 from tests.conftest import make_mesh
 
 DTYPES = [np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.int32),

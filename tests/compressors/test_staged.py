@@ -19,8 +19,8 @@ import pytest
 from jax.sharding import AxisType
 
 import jaxcomm as jc
-from jaxcomm.comm.buckets import plan_buckets
 from jaxcomm.compressors import StagedCodec, TwoStageState, guarded_finish
+from jaxcomm.compressors.buckets import plan_buckets
 from jaxcomm.compressors.staged import WorkerOut
 from tests.conftest import run_sharded
 

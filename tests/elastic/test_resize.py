@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.comm.buckets import plan_buckets
+from jaxcomm.compressors.buckets import plan_buckets
 from tests.conftest import make_mesh
 
 SHAPES = {"b": (5,), "w": (6, 7)}  # tree order: b, w (one fp32 bucket)

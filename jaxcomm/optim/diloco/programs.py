@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.comm.buckets import Bucket, ceil_div, flatten_bucket, unflatten_bucket
 from jaxcomm.comm.state import ReduceState, plan_tree
 from jaxcomm.compressors import (
     Compressor,
@@ -40,6 +39,7 @@ from jaxcomm.compressors import (
     server_stage,
     worker_stage,
 )
+from jaxcomm.compressors.buckets import Bucket, ceil_div, flatten_bucket, unflatten_bucket
 
 
 def check_staged(compressor: Compressor | None) -> None:

@@ -1,4 +1,4 @@
-"""jaxcomm.comm.buckets: the bucket plan and both layouts, against NumPy models of them."""
+"""jaxcomm.compressors.buckets: the bucket plan and both layouts, against NumPy models of them."""
 
 import math
 
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomm.comm import buckets as bk
+from jaxcomm.compressors import buckets as bk
 
 RNG = np.random.default_rng(0)
 SHAPES = [(3, 5), (7,), (), (2, 2, 2), (0, 4), (11,)]

@@ -10,6 +10,7 @@ Public names are exported from :mod:`jaxcomm`.
 from jaxcomm.compressors._base import Compressor as Compressor
 from jaxcomm.compressors._base import keep_if as keep_if
 from jaxcomm.compressors._base import mean_or_fallback as mean_or_fallback
+from jaxcomm.compressors._base import probes_finite as probes_finite
 from jaxcomm.compressors.cast import Cast as Cast
 from jaxcomm.compressors.exact import ExactCodec as ExactCodec
 from jaxcomm.compressors.exact import NoCompression as NoCompression

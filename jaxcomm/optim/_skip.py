@@ -18,27 +18,17 @@ from jax import lax
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.state import ReduceState, plan_tree
-from jaxcomm.compressors import Compressor, keep_if
+from jaxcomm.compressors import Compressor, keep_if, probes_finite
 from jaxcomm.optim.schedule import recording_phases
 
 PyTree = Any
 
 
 def all_finite(*trees: PyTree) -> jax.Array:
-    """One bool scalar: no leaf holds a NaN or an Inf.
-
-    Decided as ``isfinite(sum_leaves sum(x))``: a NaN or Inf anywhere makes the sum NaN or Inf,
-    and a float sum over a buffer that exists anyway is the cheapest reduction XLA:CPU has (a
-    boolean ``all(isfinite(x))`` materialises a mask per leaf and reduces it in a tree of
-    ``reduce-window``s). The one
-    false alarm: finite values whose sum passes the fp32 range (``|sum| > 3.4e38``), a step
-    that would blow up anyway, is skipped too. The result is replicated when the trees are.
-    """
-    total = jnp.zeros([], jnp.float32)
-    for x in (x for t in trees for x in jax.tree.leaves(t)):
-        if jnp.size(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-            total = total + jnp.sum(x, dtype=jnp.float32)
-    return jnp.isfinite(total)
+    """One bool scalar: no leaf holds a NaN or an Inf (exact: finite values whose sum would
+    overflow are finite). The one finiteness test of jaxcomm, :func:`probes_finite`, over every
+    floating leaf; replicated when the trees are."""
+    return probes_finite([x for t in trees for x in jax.tree.leaves(t)])
 
 
 def mean_finite(

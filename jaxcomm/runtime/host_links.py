@@ -16,9 +16,11 @@ sync whose peer died or hangs fails within bounded time with a :class:`SyncError
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import itertools
 import os
+import queue
 import socket
 import struct
 import sys
@@ -261,3 +263,34 @@ def all_gather(
         for k, p in enumerate(sources):
             pieces[p] = flat[k * len(ref) : (k + 1) * len(ref)]
     return [np.stack([pieces[p][i] for p in range(n)]) for i in range(len(ref))]
+
+
+class SyncRunner:
+    """One daemon thread running submitted exchanges in order, each a future. A daemon, so that
+    a process ending (an error, an interrupt) does not wait for an exchange blocked on a lost
+    peer."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="jaxcomm-diloco-sync")
+            self._thread.daemon = True
+            self._thread.start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as err:  # noqa: BLE001 (re-raised by the merging step)
+                    future.set_exception(err)
+
+    def close(self) -> None:
+        self._queue.put(None)

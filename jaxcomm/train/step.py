@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.axes import canonical_axis, mesh_axis_sizes
-from jaxcomm.optim.diloco.background import BackgroundSync, background_spec, driven
+from jaxcomm.optim.diloco.background import BackgroundSync, background_update
 from jaxcomm.optim.schedule import record_phases
 from jaxcomm.train.layout import (
     TrainState,
@@ -99,8 +99,7 @@ class TrainStep:
             new_state, metrics = self._program(state, self._place(batch))
         else:
             state = self.background.before(state)
-            with driven():
-                new_state, metrics = self._program(state, self._place(batch))
+            new_state, metrics = self._program(state, self._place(batch))
             self.background.after(new_state)
         if self.max_in_flight is not None:
             self._queued.append(jax.tree.leaves(metrics)[0])
@@ -110,8 +109,7 @@ class TrainStep:
 
     def lower(self, state: PyTree, batch: PyTree):
         """``jax.jit(...).lower`` of the program that ``step(state, batch)`` would run."""
-        with driven():
-            return self._program.lower(state, self._place(batch))
+        return self._program.lower(state, self._place(batch))
 
     # The phase-specialised step's inspection API, where there is one.
     def _need_phased(self) -> PhasedStep:
@@ -158,10 +156,9 @@ class TrainStep:
                 "compiles do not reach its calls)"
             )
         placed = self._place_abstract(batch) if any(abstract) else self._place(batch)
-        with driven():
-            if self.phased is not None:
-                return self.phased.compile_all(state, placed, steps=steps)
-            self._program.lower(state, placed).compile()
+        if self.phased is not None:
+            return self.phased.compile_all(state, placed, steps=steps)
+        self._program.lower(state, placed).compile()
         return [()]
 
     @property
@@ -318,8 +315,8 @@ def make_train_step(
     else:
         program = jax.jit(global_step, donate_argnums=donate_argnums)
     place = functools.partial(place_batch, mesh=mesh, axis_name=axis_name)
-    spec = background_spec(tx)
-    background = None if spec is None else BackgroundSync(spec, mesh, axis_name)
+    update = background_update(tx)
+    background = None if update is None else BackgroundSync(update, mesh, axis_name)
     rows = NamedSharding(mesh, P(axis_name))
 
     def place_abstract(batch):

@@ -160,8 +160,25 @@ def test_bad_input_is_refused(mesh):
         jc.diloco(inner, outer, 8, "dp", overlap_steps=2, background=True, sync_timeout=0)
     tx = jc.diloco(inner, outer, 8, "dp", overlap_steps=2, background=True)
     step, state = jc.make_pmap_train_step("dp", loss_fn, tx, make_params())
-    with pytest.raises(ValueError, match="through that step"):
+    with pytest.raises(ValueError, match="pass the transformation itself to jc.make_train_step"):
         step(state, make_batches(1)[0])
+    # Inside optax.chain nothing would run the syncs: refused, not a run without outer steps.
+    chained = optax.chain(optax.clip_by_global_norm(1.0), tx)
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, chained, make_params())
+    assert step.background is None
+    with pytest.raises(ValueError, match="not inside optax.chain"):
+        step(state, make_batches(1)[0])
+
+
+def test_the_background_sync_is_the_steps_own_object(mesh):
+    """``step.background`` holds the thread and the links, and is the driver attached to the
+    transformation's update; before a sync is due its hooks leave the state as it is."""
+    tx = _tx(True, jc.Quantize(bits=4, error_feedback=True), 4, 1, 2)
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
+    sync = step.background
+    assert isinstance(sync, diloco_background.BackgroundSync)
+    assert tx.update.driver is sync and tx.update.spec.overlap_steps == 2
+    assert sync.perform_sync(state) is state and sync.prepare_sync(state) is state
 
 
 def test_local_metrics_are_each_devices_loss(mesh):

@@ -34,8 +34,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
-import queue
-import threading
 import weakref
 from typing import Any, NamedTuple
 
@@ -56,6 +54,7 @@ from jaxcomm.optim.diloco.state import (
 from jaxcomm.runtime.host_links import (
     HostLinks,
     SyncError,
+    SyncRunner,
     all_gather,
     all_to_all,
     bound_exit,
@@ -76,8 +75,6 @@ class BackgroundSpec(NamedTuple):
     sync_timeout: float
 
 
-_specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_active = threading.local()
 _live: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -89,37 +86,35 @@ def _finish_syncs() -> None:
         sync.drain()
 
 
-def register(update_fn, spec: BackgroundSpec) -> None:
-    _specs[update_fn] = spec
+class BackgroundUpdate:
+    """The ``update`` of a ``jc.diloco(..., background=True)``: DiLoCo's update function with
+    its background sync's spec, and the :class:`BackgroundSync` that drives it.
+
+    ``jc.make_train_step`` sees it on ``tx.update``, creates the step's
+    :class:`BackgroundSync` (its thread and host links) and attaches it here (``step.background``
+    is that object). Traced without one (called outside that step, e.g. inside
+    ``optax.chain``), it refuses: nothing would run the syncs.
+    """
+
+    def __init__(self, fn, spec: BackgroundSpec) -> None:
+        self.fn, self.spec = fn, spec
+        self.driver: BackgroundSync | None = None
+
+    def __call__(self, updates, state, params=None):
+        if self.driver is None:
+            raise ValueError(
+                "jaxcomm: diloco(background=True) runs its outer syncs from the step of "
+                "jc.make_train_step (a host thread moves the outer gradient between steps); "
+                "pass the transformation itself to jc.make_train_step (not inside optax.chain), "
+                "or use background=False"
+            )
+        return self.fn(updates, state, params)
 
 
-def background_spec(tx) -> BackgroundSpec | None:
-    """The spec of ``tx`` when it is a ``jc.diloco(..., background=True)``, else ``None``."""
+def background_update(tx) -> BackgroundUpdate | None:
+    """``tx.update`` when ``tx`` is a ``jc.diloco(..., background=True)``, else ``None``."""
     update = getattr(tx, "update", None)
-    try:
-        return _specs.get(update)
-    except TypeError:
-        return None
-
-
-@contextlib.contextmanager
-def driven() -> Any:
-    """Trace under this where a :class:`BackgroundSync` runs the syncs (the train step)."""
-    previous = getattr(_active, "on", False)
-    _active.on = True
-    try:
-        yield
-    finally:
-        _active.on = previous
-
-
-def check_driven() -> None:
-    if not getattr(_active, "on", False):
-        raise ValueError(
-            "jaxcomm: diloco(background=True) runs its outer syncs from the step of "
-            "jc.make_train_step (a host thread moves the outer gradient between steps); call it "
-            "through that step, or use background=False"
-        )
+    return update if isinstance(update, BackgroundUpdate) else None
 
 
 def issues(t: int, offset: int, sync_every: int) -> bool:
@@ -138,36 +133,6 @@ def _replace_diloco(opt_state, **fields):
 EXIT_GRACE_S = 10.0
 
 
-class _Runner:
-    """One daemon thread running the syncs in issue order. A daemon, so that a process ending
-    (an error, an interrupt) does not wait for an exchange blocked on a lost peer."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn, *args) -> concurrent.futures.Future:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="jaxcomm-diloco-sync")
-            self._thread.daemon = True
-            self._thread.start()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((future, fn, args))
-        return future
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as err:  # noqa: BLE001 (re-raised by the merging step)
-                    future.set_exception(err)
-
-    def close(self) -> None:
-        self._queue.put(None)
-
-
 def take_rows(new: jax.Array, old: jax.Array, positions: set[int]) -> jax.Array:
     """``new`` with the rows (data-axis positions, axis 0) in ``positions`` taken from ``old``:
     whole shards (``new`` and ``old`` sharded alike), so nothing is copied."""
@@ -180,19 +145,26 @@ def take_rows(new: jax.Array, old: jax.Array, positions: set[int]) -> jax.Array:
 
 
 class BackgroundSync:
-    """Runs the outer syncs of a ``jc.diloco(..., background=True)`` beside a train step.
+    """Runs the outer syncs of a ``jc.diloco(..., background=True)`` beside a train step: the
+    sync thread (:class:`jaxcomm.runtime.host_links.SyncRunner`) and the TCP links to the other
+    processes (:class:`jaxcomm.runtime.host_links.HostLinks`) are its own.
 
-    ``before(state)`` is called with each step's input state and returns the state to run
-    (with the syncs due at this step merged in); ``after(state)`` with its output (issues the
-    syncs of the fragments the step stored). ``jc.make_train_step`` does both.
+    ``jc.make_train_step`` creates it from ``tx.update`` (a :class:`BackgroundUpdate`, to which it
+    attaches itself) and exposes it as ``step.background``. Each step calls ``before(state)``
+    with its input state: :meth:`perform_sync` waits for the syncs due at this step and merges
+    them into the state, then :meth:`prepare_sync` issues the syncs that start at it (torchft's
+    ``perform_sync`` / ``prepare_sync``); ``after(state)`` records the step's output. ``close()``
+    stops the thread and closes the links.
     """
 
-    def __init__(self, spec: BackgroundSpec, mesh, axis_name: str) -> None:
+    def __init__(self, update: BackgroundUpdate, mesh, axis_name: str) -> None:
+        spec = update.spec
+        update.driver = self
         self.spec, self.mesh = spec, mesh
         self.n = int(mesh.shape[axis_name])
         self.offsets = fragment_offsets(spec.sync_every, spec.fragments)
         self._links = HostLinks(spec.sync_timeout)
-        self._runner = _Runner()
+        self._runner = SyncRunner()
         self._programs: dict[int, FragmentPrograms] = {}
         self._inflight: dict[int, tuple[int, concurrent.futures.Future]] = {}
         self._last: Any = None
@@ -224,12 +196,23 @@ class BackgroundSync:
                     if t_i >= 1 and issues(t_i, offset, self.spec.sync_every):
                         if t_i - 1 + self.spec.overlap_steps > self._count:
                             self._issue(state, f, t_i)
+        return self.prepare_sync(self.perform_sync(state))
+
+    def perform_sync(self, state):
+        """``state`` with the syncs due at the next step (issued ``overlap_steps`` before it)
+        waited for and merged: their means in ``inflight``, their error feedback in ``comm``."""
         t = self._count + 1
         for f in sorted(self._inflight):
             t_i, future = self._inflight[f]
             if t_i - 1 + self.spec.overlap_steps == t:
                 del self._inflight[f]
                 state = self._merge(state, f, t_i, future)
+        return state
+
+    def prepare_sync(self, state):
+        """``state`` with the pseudo-gradients of the syncs that start at the next step in its
+        pending slots, their reductions issued (device programs, then the thread)."""
+        t = self._count + 1
         for f, offset in enumerate(self.offsets):
             if issues(t, offset, self.spec.sync_every):
                 state = self._issue_new(state, f, t)

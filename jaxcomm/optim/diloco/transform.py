@@ -93,7 +93,7 @@ from jaxcomm.comm.state import init_state
 from jaxcomm.compressors import Compressor
 from jaxcomm.optim._common import varying
 from jaxcomm.optim._skip import all_finite, check_skips, keep_error_feedback
-from jaxcomm.optim.diloco.background import BackgroundSpec, check_driven, register
+from jaxcomm.optim.diloco.background import BackgroundSpec, BackgroundUpdate
 from jaxcomm.optim.diloco.programs import check_staged
 from jaxcomm.optim.diloco.state import (
     DiLoCoLocal,
@@ -287,8 +287,6 @@ def diloco(
     def update_fn(updates, state, params=None):
         param_leaves, treedef = jax.tree.flatten(params)
         check_update(state, param_leaves, axis_name, F)
-        if background:
-            check_driven()
         if fast:
             # Over a tuple of axes a replica is a slow-axis group: its devices step together
             # on the exact mean of their gradients (plain data parallel inside a node).
@@ -402,11 +400,10 @@ def diloco(
             check_skips(jnp.maximum(worst, counts[1]), max_consecutive_skips, "diloco")
         return new_updates, new_state
 
-    tx = optax.GradientTransformation(init_fn, update_fn)
-    if background:
-        assert isinstance(axis_name, str)  # a tuple of axes is refused above
-        register(
-            update_fn,
-            BackgroundSpec(compressor, axis_name, bucket_bytes, H, F, tau, float(sync_timeout)),
-        )
-    return tx
+    if not background:
+        return optax.GradientTransformation(init_fn, update_fn)
+    assert isinstance(axis_name, str)  # a tuple of axes is refused above
+    # The update carries its sync's spec; jc.make_train_step attaches the BackgroundSync (the
+    # thread and the host links) that runs it, visible as step.background.
+    spec = BackgroundSpec(compressor, axis_name, bucket_bytes, H, F, tau, float(sync_timeout))
+    return optax.GradientTransformation(init_fn, BackgroundUpdate(update_fn, spec))

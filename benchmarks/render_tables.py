@@ -59,7 +59,9 @@ def load_results(results: Path = RESULTS) -> dict[str, dict]:
 
 
 def provenance(doc: dict) -> dict[str, str]:
-    """The provenance fields of a results file, ``MISSING`` where it does not record one."""
+    """The provenance fields of a results file (at its top level or under ``provenance``),
+    ``MISSING`` where it does not record one."""
+    doc = {**doc.get("provenance", {}), **doc}
     versions = doc.get("versions", {})
     machine = doc.get("machine", {})
     cores = machine.get("cores", machine.get("cpus"))

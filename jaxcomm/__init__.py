@@ -43,7 +43,7 @@ from jaxcomm.optim.demo import DemoLocal, DemoState, demo
 from jaxcomm.optim.diloco import diloco
 from jaxcomm.optim.diloco.state import DiLoCoLocal, DiLoCoState, diloco_params
 from jaxcomm.optim.onebit_adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
-from jaxcomm.optim.onebit_lamb import OneBitLambState, onebit_lamb
+from jaxcomm.optim.onebit_lamb import OneBitLambState, onebit_lamb, scale_by_onebit_lamb
 from jaxcomm.optim.schedule import phase, phase_cond, phase_switch
 from jaxcomm.optim.sharded import ShardedState, sharded
 from jaxcomm.optim.zero_one_adam import LocalState, ZeroOneAdamState, zero_one_adam
@@ -129,6 +129,7 @@ __all__ = [
     "onebit_adam",
     "onebit_lamb",
     "scale_by_onebit_adam",
+    "scale_by_onebit_lamb",
     "zero_one_adam",
     # data parallel (the per-device registry lives in jaxcomm.comm.state)
     "TrainState",

@@ -10,7 +10,8 @@ One module per optimizer family (the public names are re-exported by :mod:`jaxco
 * :mod:`~jaxcomm.optim.zero_one_adam`: DeepSpeed's 0/1 Adam (adaptive variance freezing and
   local steps).
 * :mod:`~jaxcomm.optim.onebit_lamb`: DeepSpeed's 1-bit LAMB (exact LAMB warm-up, then 1-bit
-  momentum with frozen, corrected trust ratios).
+  momentum with frozen, corrected trust ratios), as ``scale_by_onebit_lamb`` (the direction)
+  and ``onebit_lamb``.
 * :mod:`~jaxcomm.optim.demo`: DeMo (decoupled momentum: the top DCT coefficients of
   each device's momentum chunks all-gathered, a sign update).
 * :mod:`~jaxcomm.optim.sharded`: ZeRO 1-2 around any optax transformation (compressed

@@ -1,18 +1,28 @@
 """DeepSpeed's 1-bit LAMB: exact LAMB warm-up, then 1-bit momentum with frozen trust ratios.
 
 Li et al., 2021, "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training with
-LAMB's Convergence Speed" (arXiv:2104.06069). One block: the frozen trust ratio scales the
-learning rate per leaf and the correction factor needs the update's norm with weight decay, so
-the direction, the decay and the learning rate do not separate into optax pieces.
+LAMB's Convergence Speed" (arXiv:2104.06069). Two pieces, like :mod:`jaxcomm.optim.onebit_adam`:
+
+* :func:`scale_by_onebit_lamb`: the direction ``c u`` per leaf (``u`` LAMB's update with weight
+  decay, ``c`` its trust ratio, frozen and corrected after the switch): the communication, the
+  moments and the coefficients, in one :class:`OneBitLambState`;
+* :func:`onebit_lamb`: ``-lr c u`` in the parameters' dtype.
+
+:func:`lamb_update` runs one update; its two phases are named functions of
+:mod:`jaxcomm.optim._onebit_lamb_step` (``warm_up``: exact LAMB; ``compressed``: the 1-bit
+momentum and the corrected trust ratio). Bit identity keeps ``-lr`` inside ``onebit_lamb``: it
+multiplies each leaf's trust ratio before the update, ``(-lr c) u``, which
+``optax.scale_by_learning_rate`` after the direction rounds differently (their updates agree bit
+for bit only when ``lr`` is a power of two).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from functools import partial
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxcomm.comm.axes import AxisName
@@ -23,24 +33,27 @@ from jaxcomm.optim._common import (
     cast_like,
     check_compressor,
     check_static_range,
-    compressed_mean_call,
-    exact_mean,
     f32,
     learning_rate_at,
-    norm,
     resolve_axis_size,
     static_bucket_bytes,
     static_int,
-    unzip,
     zeros_f32,
 )
-from jaxcomm.optim._moments import damped_denominator, ema, resolve_freeze_step
+from jaxcomm.optim._moments import resolve_freeze_step
+from jaxcomm.optim._onebit_lamb_step import (
+    LambConfig,
+    compressed,
+    step_constants,
+    warm_up,
+)
 from jaxcomm.optim._skip import all_finite, count_skips, keep_error_feedback, zeros_unless
 from jaxcomm.optim.schedule import phase, phase_cond, steady_below
 
 
 class OneBitLambState(NamedTuple):
-    """State of :func:`onebit_lamb`. Everything but ``comm`` is replicated.
+    """State of :func:`scale_by_onebit_lamb` and :func:`onebit_lamb`. Everything but ``comm`` is
+    replicated.
 
     Attributes:
       count: updates done so far (int32 scalar).
@@ -70,6 +83,105 @@ class OneBitLambState(NamedTuple):
     skipped_total: jax.Array
 
 
+def scale_by_onebit_lamb(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    freeze_step: int | None = None,
+    max_coeff: float = 10.0,
+    min_coeff: float = 0.01,
+    coeff_beta: float = 0.9,
+    factor_max: float = 4.0,
+    factor_min: float = 0.5,
+    factor_threshold: float = 0.1,
+    *,
+    axis_name: AxisName,
+    total_steps: int | None = None,
+    compressor: Compressor | None = None,
+    bucket_bytes: int | None = None,
+    axis_size: int | None = None,
+    variance_floor: float | None = 0.1,
+    deepspeed_compat: bool = False,
+    max_consecutive_skips: int | None = 16,
+    bias_correction: bool = False,
+    precondition: bool = False,
+) -> optax.GradientTransformation:
+    """1-bit LAMB's direction ``c u`` per leaf, from this device's local gradients.
+
+    Li et al., 2021, "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training with
+    LAMB's Convergence Speed" (arXiv:2104.06069). Every leaf of the parameter tree is one of
+    DeepSpeed's parameter tensors: trust ratios and coefficients are per leaf. With
+    ``t = count + 1`` the 1-based update, ``g_r`` this device's gradient, ``p`` a leaf of the
+    parameters and norms taken over the leaf (DeepSpeed defaults in brackets):
+
+    * warm-up, ``t <= freeze_step`` (``round(0.15 * total_steps)``): LAMB on the exact mean
+      gradient ``g = mean_r g_r``:
+      ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g^2``; ``u = m / (sqrt(v) + eps) + wd p``;
+      the trust ratio ``c = clip(||p|| / ||u||, min_coeff (0.01), max_coeff (10))``, or
+      ``c = 1`` when either norm is 0; if ``c != 1``, ``coeff_freeze = coeff_beta (0.9)
+      coeff_freeze + (1 - coeff_beta) c`` (DeepSpeed's rule, including the skip at exactly 1);
+      the direction is ``c u``. At ``t = freeze_step``, ``v_fresh = v``.
+    * the switch, ``t = freeze_step + 1``, before anything else: per leaf ``s_p = ||m_p|| /
+      sqrt(numel_p)`` and ``scaling_coeff_p = mean_q(s_q) / s_p``, kept for the rest of the run.
+    * compression, ``t > freeze_step``: ``m_prev = m``; ``m_r = (b1 m + (1-b1) g_r) *
+      scaling_coeff`` locally; ``m = OneBit-mean_r(m_r) / scaling_coeff`` (worker and server
+      error feedback; ``v`` stays frozen); ``g~ = (m - b1 m_prev) / (1 - b1)`` and ``v_fresh =
+      b2 v_fresh + (1-b2) g~^2``; ``u = m / (sqrt(v) + eps) + wd p``; the correction factor
+      ``f = max(elementwise (sqrt(v) + eps) / (sqrt(v_fresh) + eps))``, with weight decay
+      ``r = min(1, ||m / (sqrt(v) + eps)|| / ||u||)`` and ``f = f r + (1 - r)``; then ``f`` is
+      clipped to ``[factor_min (0.5), factor_max (4)]`` and to ``[(1 - factor_threshold (0.1))
+      f_prev, (1 + factor_threshold) f_prev]`` (``f_prev`` starts at 1); the direction is
+      ``coeff_freeze f u``.
+
+    The direction is fp32 and identical on every device; chain it like ``optax.scale_by_adam``:
+    ``optax.chain(jc.scale_by_onebit_lamb(axis_name="dp", total_steps=1000),
+    optax.scale_by_learning_rate(1e-3))``. Weight decay stays an argument: the trust ratio is of
+    the update with it. :func:`onebit_lamb` multiplies ``-lr`` into each trust ratio before
+    ``u`` instead (DeepSpeed's order, and its results of earlier versions bit for bit), so that
+    chain's updates differ from it by one rounding (none for a power-of-two ``lr``). The
+    arguments are those of :func:`onebit_lamb`; ``update`` needs ``params`` and returns zeros on
+    a skipped step.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, jaxcomm as jc
+      >>> tx = optax.chain(jc.scale_by_onebit_lamb(axis_name="dp", freeze_step=2, axis_size=2),
+      ...                  optax.scale_by_learning_rate(1e-3))
+      >>> params = {"w": jnp.ones(4)}
+      >>> state = jax.vmap(lambda _: tx.init(params), axis_name="dp")(jnp.zeros(2))
+      >>> step = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="dp")
+      >>> updates, state = step({"w": jnp.ones((2, 4))}, state)
+      >>> [round(float(u), 6) for u in updates["w"][0]]  # c u = 1 here: ||p|| / ||u|| = 1 / u
+      [-0.001, -0.001, -0.001, -0.001]
+    """
+    config = lamb_config(
+        b1,
+        b2,
+        eps,
+        weight_decay,
+        freeze_step,
+        max_coeff,
+        min_coeff,
+        coeff_beta,
+        factor_max,
+        factor_min,
+        factor_threshold,
+        axis_name=axis_name,
+        total_steps=total_steps,
+        compressor=compressor,
+        bucket_bytes=bucket_bytes,
+        axis_size=axis_size,
+        variance_floor=variance_floor,
+        deepspeed_compat=deepspeed_compat,
+        max_consecutive_skips=max_consecutive_skips,
+        bias_correction=bias_correction,
+        precondition=precondition,
+    )
+    return optax.GradientTransformation(
+        partial(lamb_init, config), partial(lamb_update, config, None)
+    )
+
+
 def onebit_lamb(
     learning_rate: optax.ScalarOrSchedule = 1e-3,
     b1: float = 0.9,
@@ -97,33 +209,12 @@ def onebit_lamb(
 ) -> optax.GradientTransformation:
     """DeepSpeed's 1-bit LAMB (``OnebitLamb``) as an optax transformation over local gradients.
 
-    Li et al., 2021, "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training with
-    LAMB's Convergence Speed" (arXiv:2104.06069). Every leaf of the parameter tree is one of
-    DeepSpeed's parameter tensors: trust ratios and coefficients are per leaf. With
-    ``t = count + 1`` the 1-based update, ``g_r`` this device's gradient, ``p`` a leaf of the
-    parameters and norms taken over the leaf (DeepSpeed defaults in brackets):
-
-    * warm-up, ``t <= freeze_step`` (``round(0.15 * total_steps)``): LAMB on the exact mean
-      gradient ``g = mean_r g_r``:
-      ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g^2``; ``u = m / (sqrt(v) + eps) + wd p``;
-      the trust ratio ``c = clip(||p|| / ||u||, min_coeff (0.01), max_coeff (10))``, or
-      ``c = 1`` when either norm is 0; if ``c != 1``, ``coeff_freeze = coeff_beta (0.9)
-      coeff_freeze + (1 - coeff_beta) c`` (DeepSpeed's rule, including the skip at exactly 1);
-      ``p -= lr c u``. At ``t = freeze_step``, ``v_fresh = v``.
-    * the switch, ``t = freeze_step + 1``, before anything else: per leaf ``s_p = ||m_p|| /
-      sqrt(numel_p)`` and ``scaling_coeff_p = mean_q(s_q) / s_p``, kept for the rest of the run.
-    * compression, ``t > freeze_step``: ``m_prev = m``; ``m_r = (b1 m + (1-b1) g_r) *
-      scaling_coeff`` locally; ``m = OneBit-mean_r(m_r) / scaling_coeff`` (worker and server
-      error feedback; ``v`` stays frozen); ``g~ = (m - b1 m_prev) / (1 - b1)`` and ``v_fresh =
-      b2 v_fresh + (1-b2) g~^2``; ``u = m / (sqrt(v) + eps) + wd p``; the correction factor
-      ``f = max(elementwise (sqrt(v) + eps) / (sqrt(v_fresh) + eps))``, with weight decay
-      ``r = min(1, ||m / (sqrt(v) + eps)|| / ||u||)`` and ``f = f r + (1 - r)``; then ``f`` is
-      clipped to ``[factor_min (0.5), factor_max (4)]`` and to ``[(1 - factor_threshold (0.1))
-      f_prev, (1 + factor_threshold) f_prev]`` (``f_prev`` starts at 1); ``p -= lr
-      coeff_freeze f u``.
-
-    The returned optax update is ``-lr(count) * c * u`` with ``c = coeff_freeze f`` after the
-    switch (apply it with ``optax.apply_updates``), in each parameter's dtype.
+    :func:`scale_by_onebit_lamb`'s rules (see there: the warm-up, the switch, the compressed
+    steps) with the learning rate: the returned optax update is ``(-lr(count) c) u`` per leaf,
+    ``c`` the trust ratio (``coeff_freeze f`` after the switch), in each parameter's dtype
+    (apply it with ``optax.apply_updates``). ``-lr`` stays inside, multiplied into ``c`` first as
+    DeepSpeed does: splitting it out (``scale_by_learning_rate`` after the direction) changes
+    the result by a rounding.
 
     Like DeepSpeed there is no bias correction (DeepSpeed reads the flag and ignores it), and
     ``update`` always needs ``params`` (the trust ratio uses ``||p||``).
@@ -203,12 +294,66 @@ def onebit_lamb(
       An ``optax.GradientTransformation`` whose state is a :class:`OneBitLambState`; ``comm`` is
       per device, the rest replicated. Parameters stay replicated.
     """
+    config = lamb_config(
+        b1,
+        b2,
+        eps,
+        weight_decay,
+        freeze_step,
+        max_coeff,
+        min_coeff,
+        coeff_beta,
+        factor_max,
+        factor_min,
+        factor_threshold,
+        axis_name=axis_name,
+        total_steps=total_steps,
+        compressor=compressor,
+        bucket_bytes=bucket_bytes,
+        axis_size=axis_size,
+        variance_floor=variance_floor,
+        deepspeed_compat=deepspeed_compat,
+        max_consecutive_skips=max_consecutive_skips,
+        bias_correction=bias_correction,
+        precondition=precondition,
+    )
+
+    def update_fn(updates, state, params=None):
+        scale = -learning_rate_at(learning_rate, state.count)
+        delta, new_state = lamb_update(config, scale, updates, state, params)
+        return cast_like(delta, params), new_state
+
+    return optax.GradientTransformation(partial(lamb_init, config), update_fn)
+
+
+def lamb_config(
+    b1,
+    b2,
+    eps,
+    weight_decay,
+    freeze_step,
+    max_coeff,
+    min_coeff,
+    coeff_beta,
+    factor_max,
+    factor_min,
+    factor_threshold,
+    *,
+    axis_name: AxisName,
+    total_steps: int | None,
+    compressor: Compressor | None,
+    bucket_bytes: int | None,
+    axis_size: int | None,
+    variance_floor: float | None,
+    deepspeed_compat: bool,
+    max_consecutive_skips: int | None,
+    bias_correction: bool,
+    precondition: bool,
+) -> LambConfig:
+    """The checked :class:`LambConfig` of :func:`scale_by_onebit_lamb`'s arguments (ranges known
+    at trace time, ``freeze_step >= 1``, the compressor), its defaults filled in."""
     compressor = OneBit() if compressor is None else compressor
     check_compressor(compressor)
-    floor = None if deepspeed_compat else variance_floor
-    # Both off by default (see the docstring).
-    bias_correction = bool(bias_correction)
-    precondition = bool(precondition)
     bucket_bytes = static_bucket_bytes(bucket_bytes)
     check_static_range("onebit_lamb", "b1", b1, 0.0, 1.0, high_open=True)  # g~ divides by 1 - b1
     check_static_range("onebit_lamb", "b2", b2, 0.0, 1.0)
@@ -231,174 +376,95 @@ def onebit_lamb(
             f"jaxcomm: onebit_lamb needs freeze_step >= 1 (the frozen LAMB coefficient is an "
             f"average over the warm-up), got {freeze_step!r}"
         )
+    return LambConfig(
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        freeze_step=freeze_step,
+        max_coeff=max_coeff,
+        min_coeff=min_coeff,
+        coeff_beta=coeff_beta,
+        factor_max=factor_max,
+        factor_min=factor_min,
+        factor_threshold=factor_threshold,
+        axis_name=axis_name,
+        compressor=compressor,
+        bucket_bytes=bucket_bytes,
+        axis_size=axis_size,
+        floor=None if deepspeed_compat else variance_floor,
+        max_consecutive_skips=max_consecutive_skips,
+        bias_correction=bool(bias_correction),  # both off by default (see onebit_lamb)
+        precondition=bool(precondition),
+    )
 
-    def init_fn(params):
-        n = resolve_axis_size(axis_name, axis_size)
-        mu = zeros_f32(params)
-        comm = init_state(compressor, mu, axis_size=n, bucket_bytes=bucket_bytes)
 
-        def scalars(value):
-            return jax.tree.map(lambda _: jnp.full([], value, jnp.float32), params)
+def lamb_init(config: LambConfig, params: PyTree) -> OneBitLambState:
+    """The state before the first update: zero moments, ``coeff_freeze = 0``, factors and
+    scaling coefficients 1, the compressor's error feedback."""
+    n = resolve_axis_size(config.axis_name, config.axis_size)
+    mu = zeros_f32(params)
+    comm = init_state(config.compressor, mu, axis_size=n, bucket_bytes=config.bucket_bytes)
+    comm = cast(ReduceState, comm)  # an all-reduce's state
 
-        return OneBitLambState(
-            count=jnp.zeros([], jnp.int32),
-            mu=mu,
-            nu=zeros_f32(params),
-            nu_fresh=zeros_f32(params),
-            coeff_freeze=scalars(0.0),
-            last_factor=scalars(1.0),
-            scaling_coeff=scalars(1.0),
-            comm=comm,
-            skipped=jnp.zeros([], jnp.int32),
-            skipped_total=jnp.zeros([], jnp.int32),
+    def scalars(value):
+        return jax.tree.map(lambda _: jnp.full([], value, jnp.float32), params)
+
+    return OneBitLambState(
+        count=jnp.zeros([], jnp.int32),
+        mu=mu,
+        nu=zeros_f32(params),
+        nu_fresh=zeros_f32(params),
+        coeff_freeze=scalars(0.0),
+        last_factor=scalars(1.0),
+        scaling_coeff=scalars(1.0),
+        comm=comm,
+        skipped=jnp.zeros([], jnp.int32),
+        skipped_total=jnp.zeros([], jnp.int32),
+    )
+
+
+def lamb_update(config: LambConfig, scale, updates, state: OneBitLambState, params=None):
+    """One update: each leaf's ``scale c u`` (``c u`` when ``scale`` is ``None``), fp32, zero on
+    a skipped step, and the new state. The phase (``warm_up`` or ``compressed``, of
+    :mod:`jaxcomm.optim._onebit_lamb_step`) is a ``lax.cond``, or the one branch of a
+    phase-specialised step."""
+    if params is None:
+        raise ValueError(
+            "jaxcomm: onebit_lamb needs params for the trust ratio: call "
+            "update(grads, state, params)"
         )
-
-    def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(
-                "jaxcomm: onebit_lamb needs params for the trust ratio: call "
-                "update(grads, state, params)"
-            )
-        grads = f32(updates)
-        p32 = f32(params)
-        b1_, b2_, eps_ = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
-        wd = jnp.asarray(weight_decay, jnp.float32)
-        lr = learning_rate_at(learning_rate, state.count)
-        t = optax.safe_increment(state.count)
-
-        one = jnp.ones([], jnp.float32)
-        tf = t.astype(jnp.float32)
-        # Bias corrections (1 under deepspeed_compat): m by t; v by its last update, min(t, F);
-        # v_fresh continues v's average, so by t.
-        c1 = 1 - b1_**tf if bias_correction else one
-        c2 = 1 - b2_ ** jnp.maximum(jnp.minimum(t, freeze_step), 1).astype(jnp.float32)
-        c2 = c2 if bias_correction else one
-        c2_fresh = 1 - b2_**tf if bias_correction else one
-
-        def denominator(v, damped=False):
-            """``sqrt(v_hat) + eps``; ``damped``: the frozen variance's, floored."""
-            return damped_denominator(v / c2, eps_, floor) if damped else jnp.sqrt(v / c2) + eps_
-
-        def lamb_update(m, v, p, damped=False):
-            """(m_hat / (sqrt(v_hat) + eps), the same plus weight decay, sqrt(v_hat) + eps) of
-            one leaf; ``damped``: the frozen variance's denominator, floored
-            (``variance_floor``)."""
-            denom = denominator(v, damped)
-            prelim = (m / c1) / denom
-            return prelim, prelim + wd * p, denom
-
-        def trust_ratio(p, update):
-            """``clip(||p|| / ||update||, min_coeff, max_coeff)``, 1 if either norm is 0."""
-            w_norm, u_norm = norm(p), norm(update)
-            ratio = jnp.clip(w_norm / jnp.where(u_norm > 0, u_norm, 1), min_coeff, max_coeff)
-            return jnp.where((w_norm > 0) & (u_norm > 0), ratio, 1.0).astype(jnp.float32)
-
-        def warm(g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm):
-            g = exact_mean(g, axis_name, bucket_bytes)
-            mu, nu = ema(mu, g, b1_), ema(nu, g, b2_, 2)
-            nu_fresh = jax.tree.map(lambda v, vf: jnp.where(t == freeze_step, v, vf), nu, nu_fresh)
-
-            def leaf(m, v, p, cf):
-                _, update, _ = lamb_update(m, v, p)
-                coeff = trust_ratio(p, update)
-                avg = coeff_beta * cf + (1 - coeff_beta) * coeff
-                cf = jnp.where(coeff != 1.0, avg, cf).astype(jnp.float32)
-                return -lr * coeff * update, cf
-
-            out = jax.tree.map(leaf, mu, nu, p32, coeff_freeze)
-            delta, coeff_freeze = unzip(out, mu)
-            return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta
-
-        def compress(g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm):
-            if precondition:
-                # 1-bit mean of the local steps m_r / denom (even magnitudes, one scale fits
-                # them; the per-leaf scaling is then not needed), mapped back by the frozen
-                # denominator, identical on every device.
-                denom = jax.tree.map(lambda v: denominator(v, damped=True), nu)
-                local = jax.tree.map(lambda m, x, d: (b1_ * m + (1 - b1_) * x) / d, mu, g, denom)
-                avg, comm = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
-                m_prev = mu
-                mu = jax.tree.map(lambda a, d: a * d, avg, denom)
-            else:
-                scaling = jax.tree.map(
-                    lambda new, old: jnp.where(t == freeze_step + 1, new, old),
-                    _scaling_coefficients(mu),
-                    scaling,
-                )
-                local = jax.tree.map(lambda m, x, s: (b1_ * m + (1 - b1_) * x) * s, mu, g, scaling)
-                avg, comm = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
-                m_prev = mu
-                mu = jax.tree.map(lambda a, s: a / s, avg, scaling)
-
-            def leaf(m, m_last, v, vf, p, cf, last):
-                g_rec = (m - b1_ * m_last) / (1 - b1_)
-                vf = b2_ * vf + (1 - b2_) * jnp.square(g_rec)
-                prelim, update, denom = lamb_update(m, v, p, damped=True)
-                u_norm = norm(update)
-                # The fresh denominator is damped like the frozen one: a coordinate with no
-                # gradient has v_fresh ~ 0 too, and would pin the max ratio at factor_max.
-                fresh = damped_denominator(vf / c2_fresh, eps_, floor)
-                factor = jnp.max(denom / fresh, initial=0.0)
-                ratio = jnp.where(
-                    u_norm > 0,
-                    jnp.minimum(1.0, norm(prelim) / jnp.where(u_norm > 0, u_norm, 1)),
-                    1.0,
-                )
-                factor = jnp.where(wd > 0, factor * ratio + (1 - ratio), factor)
-                factor = jnp.maximum(jnp.minimum(factor, factor_max), factor_min)
-                factor = jnp.minimum(factor, last * (1 + factor_threshold))
-                factor = jnp.maximum(factor, last * (1 - factor_threshold)).astype(jnp.float32)
-                return (vf, factor, -lr * (cf * factor) * update)
-
-            out = jax.tree.map(leaf, mu, m_prev, nu, nu_fresh, p32, coeff_freeze, last_factor)
-            nu_fresh, last_factor, delta = unzip(out, mu, 3)
-            return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta
-
-        args = (grads, state.mu, state.nu, state.nu_fresh, state.coeff_freeze)
-        args += (state.last_factor, state.scaling_coeff, state.comm)
-        warm_up = phase(state.count < freeze_step, steady=steady_below(state.count, freeze_step))
-        mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta = phase_cond(
-            warm_up, warm, compress, *args
-        )
-        # A non-finite step (NaN/Inf in any device's gradient reaches the mean) is skipped:
-        # moments, coefficients and factors stay, the collectives' guard kept the error feedback.
-        ok = all_finite(mu, nu, nu_fresh, delta)
-        skipped, skipped_total = count_skips(
-            ok, state.skipped, state.skipped_total, max_consecutive_skips, "onebit_lamb"
-        )
-        candidate = OneBitLambState(
-            count=t,
-            mu=mu,
-            nu=nu,
-            nu_fresh=nu_fresh,
-            coeff_freeze=coeff_freeze,
-            last_factor=last_factor,
-            scaling_coeff=scaling,
-            comm=comm,
-            skipped=skipped,
-            skipped_total=skipped_total,
-        )
-        comm = keep_error_feedback(ok, comm, state.comm, state.mu, compressor, bucket_bytes)
-        candidate = candidate._replace(comm=comm)
-        old = state._replace(
-            comm=comm, skipped=candidate.skipped, skipped_total=candidate.skipped_total
-        )
-        new_state = keep_if(ok, candidate, old)
-        return cast_like(zeros_unless(ok, delta), params), new_state
-
-    return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _scaling_coefficients(mu: PyTree) -> PyTree:
-    """1-bit LAMB's ``mean_q(s_q) / s_p`` with ``s_p = ||m_p|| / sqrt(numel_p)``, per leaf.
-
-    Empty leaves are left out of the mean; a leaf with ``s_p = 0`` (or an empty one) gets 1.
-    """
-    leaves, treedef = jax.tree.flatten(mu)
-    scales = [norm(m) / np.sqrt(m.size) if m.size else jnp.zeros([], jnp.float32) for m in leaves]
-    counted = [s for s, m in zip(scales, leaves, strict=True) if m.size]
-    united = sum(counted) / len(counted) if counted else jnp.zeros([], jnp.float32)
-    coeffs = [
-        jnp.where(s > 0, united / jnp.where(s > 0, s, 1), 1.0).astype(jnp.float32) for s in scales
-    ]
-    return treedef.unflatten(coeffs)
+    s = step_constants(config, state.count, params, scale)
+    args = (f32(updates), state.mu, state.nu, state.nu_fresh, state.coeff_freeze)
+    args += (state.last_factor, state.scaling_coeff, state.comm)
+    freeze = config.freeze_step
+    warm = phase(state.count < freeze, steady=steady_below(state.count, freeze))
+    mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta = phase_cond(
+        warm, partial(warm_up, s), partial(compressed, s), *args
+    )
+    # A non-finite step (NaN/Inf in any device's gradient reaches the mean) is skipped:
+    # moments, coefficients and factors stay, the collectives' guard kept the error feedback.
+    ok = all_finite(mu, nu, nu_fresh, delta)
+    skipped, skipped_total = count_skips(
+        ok, state.skipped, state.skipped_total, config.max_consecutive_skips, "onebit_lamb"
+    )
+    candidate = OneBitLambState(
+        count=s.t,
+        mu=mu,
+        nu=nu,
+        nu_fresh=nu_fresh,
+        coeff_freeze=coeff_freeze,
+        last_factor=last_factor,
+        scaling_coeff=scaling,
+        comm=comm,
+        skipped=skipped,
+        skipped_total=skipped_total,
+    )
+    comm = keep_error_feedback(
+        ok, comm, state.comm, state.mu, config.compressor, config.bucket_bytes
+    )
+    candidate = candidate._replace(comm=comm)
+    old = state._replace(
+        comm=comm, skipped=candidate.skipped, skipped_total=candidate.skipped_total
+    )
+    return zeros_unless(ok, delta), keep_if(ok, candidate, old)

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
 from tests.conftest import NUM_DEVICES
+from tests.optim.shard_map_run import assert_bitwise_equal, run_updates
 from tests.reference.lamb_reference import OnebitLambModel
 
 N = NUM_DEVICES
@@ -248,3 +249,21 @@ def test_onebit_lamb_zero_momentum_leaf_gets_scaling_one():
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
     np.testing.assert_array_equal(np.asarray(state.params["z"]), 0.0)
     assert float(state.opt_state.coeff_freeze["z"]) == 0.0
+
+
+@pytest.mark.parametrize("options", [dict(weight_decay=0.01), dict(precondition=True)])
+def test_onebit_lamb_is_scale_by_onebit_lamb_then_the_learning_rate(options):
+    """``jc.onebit_lamb`` multiplies ``-lr`` into each trust ratio before ``u``; with a
+    power-of-two rate (a schedule of them here) that is exactly ``scale_by_learning_rate``
+    after ``scale_by_onebit_lamb``'s direction ``c u``: updates, parameters and states bit for
+    bit through the warm-up, the switch and the compressed steps."""
+    lr = optax.piecewise_constant_schedule(2.0**-6, {4: 0.5})
+    kw = dict(freeze_step=FREEZE, axis_name="dp", b2=0.5, max_coeff=15.0, min_coeff=0.05)
+    alias = jc.onebit_lamb(lr, **kw, **options)
+    chain = optax.chain(jc.scale_by_onebit_lamb(**kw, **options), optax.scale_by_learning_rate(lr))
+    steps = grad_steps(GRAD_SCALE[:7])
+    want = run_updates(alias, init_params(), steps)
+    got = run_updates(chain, init_params(), steps)
+    for t, ((u_a, p_a, s_a), (u_c, p_c, s_c)) in enumerate(zip(want, got, strict=True)):
+        assert_bitwise_equal((u_c, p_c, s_c[0]), (u_a, p_a, s_a), f"step {t}")
+    assert int(s_a.count) == 7 and not np.array_equal(flat(p_a), flat(init_params()))

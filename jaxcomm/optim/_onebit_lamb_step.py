@@ -1,0 +1,212 @@
+"""One update of 1-bit LAMB (:func:`jaxcomm.optim.onebit_lamb.lamb_update`) besides its state:
+the two phases, :func:`warm_up` (exact LAMB) and :func:`compressed` (the 1-bit momentum, its
+fresh variance and the corrected trust ratio), and the per-leaf rules they share."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxcomm.compressors import Compressor
+from jaxcomm.optim._common import PyTree, compressed_mean_call, exact_mean, f32, norm, unzip
+from jaxcomm.optim._moments import damped_denominator, ema
+
+
+@dataclasses.dataclass(frozen=True)
+class LambConfig:
+    """The arguments of ``jc.scale_by_onebit_lamb`` and ``jc.onebit_lamb``, checked (their
+    ``lamb_config``); numbers may be traced (``optax.inject_hyperparams``)."""
+
+    b1: Any
+    b2: Any
+    eps: Any
+    weight_decay: Any
+    freeze_step: Any
+    max_coeff: Any
+    min_coeff: Any
+    coeff_beta: Any
+    factor_max: Any
+    factor_min: Any
+    factor_threshold: Any
+    axis_name: Any  # an AxisName: one axis or a tuple of them
+    compressor: Compressor
+    bucket_bytes: int | None
+    axis_size: int | None
+    floor: float | None  # variance_floor; None under deepspeed_compat
+    max_consecutive_skips: int | None
+    bias_correction: bool
+    precondition: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LambStep:
+    """What one traced update of 1-bit LAMB reads besides its state (:func:`step_constants`)."""
+
+    config: LambConfig
+    b1: jax.Array
+    b2: jax.Array
+    eps: jax.Array
+    wd: jax.Array
+    t: jax.Array  # the 1-based update
+    # Bias corrections (1 unless bias_correction): m by t; v by its last update, min(t, F);
+    # v_fresh continues v's average, so by t.
+    c1: jax.Array
+    c2: jax.Array
+    c2_fresh: jax.Array
+    params: PyTree  # fp32
+    scale: jax.Array | None  # multiplied into each leaf's trust ratio (-lr), or None
+
+    def scaled(self, coeff: jax.Array) -> jax.Array:
+        """The leaf's factor of ``u``: ``scale * coeff`` (``coeff`` without a scale)."""
+        return coeff if self.scale is None else self.scale * coeff
+
+
+def step_constants(config: LambConfig, count: jax.Array, params: PyTree, scale) -> LambStep:
+    """The :class:`LambStep` of the update after ``count`` updates."""
+    b1, b2, eps = (jnp.asarray(x, jnp.float32) for x in (config.b1, config.b2, config.eps))
+    t = optax.safe_increment(count)
+    one = jnp.ones([], jnp.float32)
+    tf = t.astype(jnp.float32)
+    c2 = 1 - b2 ** jnp.maximum(jnp.minimum(t, config.freeze_step), 1).astype(jnp.float32)
+    corrected = config.bias_correction
+    return LambStep(
+        config=config,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        wd=jnp.asarray(config.weight_decay, jnp.float32),
+        t=t,
+        c1=1 - b1**tf if corrected else one,
+        c2=c2 if corrected else one,
+        c2_fresh=1 - b2**tf if corrected else one,
+        params=f32(params),
+        scale=scale,
+    )
+
+
+def denominator(s: LambStep, v: jax.Array, damped: bool = False) -> jax.Array:
+    """``sqrt(v_hat) + eps``; ``damped``: the frozen variance's, floored (``variance_floor``)."""
+    if damped:
+        return damped_denominator(v / s.c2, s.eps, s.config.floor)
+    return jnp.sqrt(v / s.c2) + s.eps
+
+
+def lamb_leaf(s: LambStep, m, v, p, damped: bool = False):
+    """``(m_hat / (sqrt(v_hat) + eps), the same plus wd p, sqrt(v_hat) + eps)`` of one leaf."""
+    denom = denominator(s, v, damped)
+    prelim = (m / s.c1) / denom
+    return prelim, prelim + s.wd * p, denom
+
+
+def trust_ratio(p: jax.Array, update: jax.Array, min_coeff, max_coeff) -> jax.Array:
+    """``clip(||p|| / ||update||, min_coeff, max_coeff)``, 1 if either norm is 0."""
+    w_norm, u_norm = norm(p), norm(update)
+    ratio = jnp.clip(w_norm / jnp.where(u_norm > 0, u_norm, 1), min_coeff, max_coeff)
+    return jnp.where((w_norm > 0) & (u_norm > 0), ratio, 1.0).astype(jnp.float32)
+
+
+def warm_up(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm):
+    """The warm-up phase, ``t <= freeze_step``: LAMB on the exact mean gradient; the trust
+    ratios' average ``coeff_freeze`` and, at ``t = freeze_step``, ``v_fresh = v``. Returns the
+    new moments and coefficients, then each leaf's ``scaled(c) u``."""
+    cfg = s.config
+    g = exact_mean(g, cfg.axis_name, cfg.bucket_bytes)
+    mu, nu = ema(mu, g, s.b1), ema(nu, g, s.b2, 2)
+    nu_fresh = jax.tree.map(lambda v, vf: jnp.where(s.t == cfg.freeze_step, v, vf), nu, nu_fresh)
+
+    def leaf(m, v, p, cf):
+        _, update, _ = lamb_leaf(s, m, v, p)
+        coeff = trust_ratio(p, update, cfg.min_coeff, cfg.max_coeff)
+        avg = cfg.coeff_beta * cf + (1 - cfg.coeff_beta) * coeff
+        cf = jnp.where(coeff != 1.0, avg, cf).astype(jnp.float32)
+        return s.scaled(coeff) * update, cf
+
+    out = jax.tree.map(leaf, mu, nu, s.params, coeff_freeze)
+    delta, coeff_freeze = unzip(out, mu)
+    return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta
+
+
+def onebit_momentum(s: LambStep, g, mu, nu, scaling, comm):
+    """The 1-bit mean of the local momenta ``b1 m + (1-b1) g_r``: ``(m, scaling, comm)``.
+
+    DeepSpeed's rule: each leaf's momentum times its ``scaling_coeff`` (set at the switch,
+    :func:`scaling_coefficients`), divided by it after the mean. ``precondition``: divided by
+    the frozen denominator instead (even magnitudes, one scale fits them), identical on every
+    device, and mapped back by it.
+    """
+    cfg, b1 = s.config, s.b1
+    if cfg.precondition:
+        denom = jax.tree.map(lambda v: denominator(s, v, damped=True), nu)
+        local = jax.tree.map(lambda m, x, d: (b1 * m + (1 - b1) * x) / d, mu, g, denom)
+        avg, comm = compressed_mean_call(
+            local, comm, cfg.axis_name, cfg.compressor, cfg.bucket_bytes
+        )
+        return jax.tree.map(lambda a, d: a * d, avg, denom), scaling, comm
+    scaling = jax.tree.map(
+        lambda new, old: jnp.where(s.t == cfg.freeze_step + 1, new, old),
+        scaling_coefficients(mu),
+        scaling,
+    )
+    local = jax.tree.map(lambda m, x, c: (b1 * m + (1 - b1) * x) * c, mu, g, scaling)
+    avg, comm = compressed_mean_call(local, comm, cfg.axis_name, cfg.compressor, cfg.bucket_bytes)
+    return jax.tree.map(lambda a, c: a / c, avg, scaling), scaling, comm
+
+
+def correction_factor(s: LambStep, prelim, update, denom, vf, last) -> jax.Array:
+    """One leaf's correction factor of the frozen trust ratio (the rule in
+    ``jc.scale_by_onebit_lamb``), from ``prelim = m_hat / denom``, the update ``u``, the frozen
+    denominator, the fresh variance and the previous factor."""
+    cfg = s.config
+    u_norm = norm(update)
+    # The fresh denominator is damped like the frozen one: a coordinate with no gradient has
+    # v_fresh ~ 0 too, and would pin the max ratio at factor_max.
+    fresh = damped_denominator(vf / s.c2_fresh, s.eps, cfg.floor)
+    factor = jnp.max(denom / fresh, initial=0.0)
+    ratio = jnp.where(
+        u_norm > 0,
+        jnp.minimum(1.0, norm(prelim) / jnp.where(u_norm > 0, u_norm, 1)),
+        1.0,
+    )
+    factor = jnp.where(s.wd > 0, factor * ratio + (1 - ratio), factor)
+    factor = jnp.maximum(jnp.minimum(factor, cfg.factor_max), cfg.factor_min)
+    factor = jnp.minimum(factor, last * (1 + cfg.factor_threshold))
+    return jnp.maximum(factor, last * (1 - cfg.factor_threshold)).astype(jnp.float32)
+
+
+def compressed(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm):
+    """The compressed phase, ``t > freeze_step``: the 1-bit momentum (:func:`onebit_momentum`),
+    the fresh variance of the gradient it implies, and each leaf's ``scaled(coeff_freeze f) u``
+    (:func:`correction_factor`)."""
+    m_prev = mu
+    mu, scaling, comm = onebit_momentum(s, g, m_prev, nu, scaling, comm)
+
+    def leaf(m, m_last, v, vf, p, cf, last):
+        g_rec = (m - s.b1 * m_last) / (1 - s.b1)
+        vf = s.b2 * vf + (1 - s.b2) * jnp.square(g_rec)
+        prelim, update, denom = lamb_leaf(s, m, v, p, damped=True)
+        factor = correction_factor(s, prelim, update, denom, vf, last)
+        return (vf, factor, s.scaled(cf * factor) * update)
+
+    out = jax.tree.map(leaf, mu, m_prev, nu, nu_fresh, s.params, coeff_freeze, last_factor)
+    nu_fresh, last_factor, delta = unzip(out, mu, 3)
+    return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta
+
+
+def scaling_coefficients(mu: PyTree) -> PyTree:
+    """1-bit LAMB's ``mean_q(s_q) / s_p`` with ``s_p = ||m_p|| / sqrt(numel_p)``, per leaf.
+
+    Empty leaves are left out of the mean; a leaf with ``s_p = 0`` (or an empty one) gets 1.
+    """
+    leaves, treedef = jax.tree.flatten(mu)
+    scales = [norm(m) / np.sqrt(m.size) if m.size else jnp.zeros([], jnp.float32) for m in leaves]
+    counted = [s for s, m in zip(scales, leaves, strict=True) if m.size]
+    united = sum(counted) / len(counted) if counted else jnp.zeros([], jnp.float32)
+    coeffs = [
+        jnp.where(s > 0, united / jnp.where(s > 0, s, 1), 1.0).astype(jnp.float32) for s in scales
+    ]
+    return jax.tree.unflatten(treedef, coeffs)

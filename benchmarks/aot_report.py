@@ -20,7 +20,17 @@ For every compile it records:
   The *overlap fraction* is the share of collective bytes with at least one compute
   instruction scheduled in that window. It is read from the compiled schedule, not timed;
 * on a multislice topology, whether each collective's device groups span more than one slice
-  (``device.slice_index``): those bytes cross the data-centre network.
+  (``device.slice_index``): those bytes cross the data-centre network;
+* on a topology of several hosts or slices, ``levels``: the bytes each device sends across the
+  slow link and the bytes that stay inside its node, against the tuple axis's target
+  (:func:`level_bytes`).
+
+``--axes flat,tuple``: ``flat`` compiles each method over one axis ``"dp"`` of every device;
+``tuple`` (topologies of several nodes only) over ``("host", "local")`` on a ``(nodes,
+devices per node)`` mesh, slowest first: the gradient is reduced exactly inside a node and only
+each device's ``1/n_fast`` share is compressed across nodes. Target of a tuple row: at most
+``1.3 x (2 P bits / 8) / n_fast`` bytes per device across nodes, plus a few kB of scalars
+(``BOUND_FACTOR``, ``SCALAR_SLACK``); DiLoCo's inner step nothing beyond scalars.
 
 ``--flags default,async`` compiles each step twice: with libtpu's defaults and with the flags
 that make collectives asynchronous (``TPU_ASYNC_FLAGS`` below, passed as per-program
@@ -37,10 +47,14 @@ Needs ``jax[tpu]`` (libtpu) next to jaxcomm, e.g. in a separate venv::
     /tmp/tpu-venv/bin/pip install --no-deps -e .
     /tmp/tpu-venv/bin/python benchmarks/aot_report.py [--topologies v5e:2x2,v5p:2x2x1,v5e:2x2x2s]
         [--methods adam,onebit_mean,onebit_adam,zero_one_adam,diloco_int4,sharded_int8]
-        [--layers 12] [--flags default,async] [--out DIR] [--json OUT]
+        [--axes flat,tuple] [--layers 12] [--flags default,async] [--out DIR] [--json OUT]
+
+and, for the H100 topologies (``h100:2x1x8``: 2 hosts of 8), ``jax[cuda12]`` in another venv
+(``pip install "jax[cuda12]==0.10.2" optax``; no GPU or driver needed), with the H100
+``GpuTargetConfig`` at ``JAXCOMM_H100_TARGET_CONFIG`` (default ``../shared/reference/``).
 
 ``v5e:2x2x2s`` means two slices of ``v5e:2x2`` (``num_slices=2``). The JSON (command, versions,
-machine, date, every row) and each compiled HLO go into ``--out``.
+machine, date, commit, every row) and each compiled HLO go into ``--out``.
 """
 
 from __future__ import annotations
@@ -51,6 +65,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "16")  # the phase probe of 2 x 8 GPUs
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling needs no exclusive TPU
+# jax[cuda12] without a driver: without this the CUDA plugin does not register (no H100 topology).
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -75,6 +91,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from step_models import ModelConfig, make_loss  # noqa: E402
 
 import jaxcomm as jc  # noqa: E402
+from jaxcomm.comm.axes import AxisName  # noqa: E402
 from jaxcomm.inspect import DTYPE_BYTES, collectives_in_hlo, num_devices, replica_groups  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
@@ -124,97 +141,149 @@ def flag_set(platform: str, name: str, bucket_bytes: int | None) -> dict:
 # a host callback, which XLA:GPU cannot compile without a GPU present (one fewer callback).
 SKIPS: dict = {}
 
+# The two-level axis, slowest first: one row of the mesh per node (GPU host or TPU slice).
+TUPLE = ("host", "local")
+
 
 @dataclass(frozen=True)
 class Method:
     name: str
     what: str
-    make: Callable[[int | None], optax.GradientTransformation]  # bucket_bytes -> tx
+    make: Callable[[int | None, AxisName], optax.GradientTransformation]  # (bucket, axis) -> tx
     counts: dict[str, int]  # label -> step count whose phase is compiled
+    # Bits per parameter the method's compressor sends across the slow axis (the two-level
+    # bound, see level_bytes), or a function of the model for DeMo's message; None: no bound.
+    bits: float | Callable[[ModelConfig], float] | None = None
+    silent: tuple[str, ...] = ()  # phases that should send nothing across the slow axis
 
 
 def methods() -> dict[str, Method]:
+    """The methods by name. ``make(bucket_bytes, axis)`` builds the optimizer over ``axis``:
+    ``"dp"`` (one flat axis) or ``TUPLE`` (``("host", "local")``, slowest first)."""
     ms = [
         Method(
             "adam", "exact mean + Adam",
-            lambda b: optax.chain(
-                jc.compressed_mean("dp", jc.NoCompression(), b), optax.adam(1e-3)
+            lambda b, ax: optax.chain(
+                jc.compressed_mean(ax, jc.NoCompression(), b), optax.adam(1e-3)
             ),
-            {"step": 0},
+            {"step": 0}, bits=32,
         ),
         Method(
             "onebit_mean", "compressed_mean(OneBit) + Adam",
-            lambda b: optax.chain(
-                jc.compressed_mean("dp", jc.OneBit(), b, warmup_steps=2), optax.adam(1e-3)
+            lambda b, ax: optax.chain(
+                jc.compressed_mean(ax, jc.OneBit(), b, warmup_steps=2), optax.adam(1e-3)
             ),
-            {"compressed": 3},
+            {"compressed": 3}, bits=1,
         ),
         Method(
             "int8ef_mean", "compressed_mean(int8 + EF) + Adam",
-            lambda b: optax.chain(
+            lambda b, ax: optax.chain(
                 jc.compressed_mean(
-                    "dp", jc.Quantize(bits=8, error_feedback=True), b, warmup_steps=2
+                    ax, jc.Quantize(bits=8, error_feedback=True), b, warmup_steps=2
                 ),
                 optax.adam(1e-3),
             ),
-            {"compressed": 3},
+            {"compressed": 3}, bits=8,
+        ),
+        Method(
+            "int4ef_mean", "compressed_mean(int4 + EF) + Adam",
+            lambda b, ax: optax.chain(
+                jc.compressed_mean(
+                    ax, jc.Quantize(bits=4, error_feedback=True), b, warmup_steps=2
+                ),
+                optax.adam(1e-3),
+            ),
+            {"compressed": 3}, bits=4,
         ),
         Method(
             "onebit_adam", "1-bit Adam (after the freeze)",
-            lambda b: jc.onebit_adam(
-                1e-3, freeze_step=2, axis_name="dp", bucket_bytes=b, **SKIPS
+            lambda b, ax: jc.onebit_adam(
+                1e-3, freeze_step=2, axis_name=ax, bucket_bytes=b, **SKIPS
             ),
-            {"compressed": 4},
+            {"compressed": 4}, bits=1,
         ),
         Method(
             "zero_one_adam", "0/1 Adam (1-bit step; sync after the freeze)",
-            lambda b: jc.zero_one_adam(
+            lambda b, ax: jc.zero_one_adam(
                 1e-3, var_freeze_step=4, var_update_scaler=1, local_step_scaler=1,
-                axis_name="dp", bucket_bytes=b, **SKIPS,
+                axis_name=ax, bucket_bytes=b, **SKIPS,
             ),
-            {"onebit": 2, "sync": 5},
+            {"onebit": 2, "sync": 5}, bits=1,
         ),
         Method(
             "onebit_lamb", "1-bit LAMB (after the freeze)",
-            lambda b: jc.onebit_lamb(
-                1e-3, freeze_step=2, axis_name="dp", bucket_bytes=b, **SKIPS
+            lambda b, ax: jc.onebit_lamb(
+                1e-3, freeze_step=2, axis_name=ax, bucket_bytes=b, **SKIPS
             ),
-            {"compressed": 4},
+            {"compressed": 4}, bits=1,
+        ),
+        Method(
+            "demo", "DeMo (top_k=32 of 64x64 chunks, fp32 values)",
+            lambda b, ax: jc.demo(3e-3, axis_name=ax, **SKIPS),
+            {"step": 0}, bits=demo_bits,
         ),
         Method(
             "diloco_int4", "DiLoCo H=4, int4 + EF outer gradients (sync step)",
-            lambda b: jc.diloco(
-                optax.adam(1e-3), optax.sgd(0.7, momentum=0.9, nesterov=True), 4, "dp",
+            lambda b, ax: jc.diloco(
+                optax.adam(1e-3), optax.sgd(0.7, momentum=0.9, nesterov=True), 4, ax,
                 compressor=jc.Quantize(bits=4, error_feedback=True), bucket_bytes=b, **SKIPS,
             ),
-            {"sync": 3},
+            {"sync": 3}, bits=4,
+        ),
+        Method(
+            "diloco_inner", "DiLoCo H=4, int4 + EF outer gradients (inner step)",
+            lambda b, ax: jc.diloco(
+                optax.adam(1e-3), optax.sgd(0.7, momentum=0.9, nesterov=True), 4, ax,
+                compressor=jc.Quantize(bits=4, error_feedback=True), bucket_bytes=b, **SKIPS,
+            ),
+            {"inner": 1}, bits=0, silent=("inner",),
         ),
         Method(
             "sharded_int8", "jc.sharded Adam, int8 grads + int8 weights",
-            lambda b: jc.sharded(
-                optax.adam(1e-3), "dp", compressor=jc.Quantize(bits=8),
+            lambda b, ax: jc.sharded(
+                optax.adam(1e-3), ax, compressor=jc.Quantize(bits=8),
                 gather_compressor=jc.Quantize(bits=8), bucket_bytes=b, **SKIPS,
             ),
-            {"step": 0},
+            # int8 reduce-scatter of the gradient, int8 all-gather of the parameters: each
+            # half of 2 P bits / 8 (the bound's factor 2 is an all-reduce's two halves).
+            {"step": 0}, bits=8,
         ),
         # Not a make_train_step optimizer: its own step on a ("node", "local") mesh, see
         # hierarchical_step (exact inside a node or slice, OneBit across, then Adam).
         Method("hierarchical", "hierarchical: exact in node, OneBit across nodes + Adam",
-               lambda b: optax.adam(1e-3), {"step": 0}),
+               lambda b, ax: optax.adam(1e-3), {"step": 0}, bits=1),
     ]  # fmt: skip
     return {m.name: m for m in ms}
 
 
-def phases_by_count(method: Method, n: int, bucket_bytes: int | None) -> dict[int, tuple]:
+def demo_bits(cfg: ModelConfig) -> float:
+    """Bits per parameter of DeMo's message at its defaults (``top_k=32``, ``chunk_size=64``,
+    fp32 values): the kept coefficients' offsets, packed, then their values; the message
+    ``jc.demo`` all-gathers (over a tuple of axes, each device sends ``1/L`` of it across)."""
+    from jaxcomm.compressors.chunks import offset_bytes
+    from jaxcomm.optim.demo import demo_plan
+
+    plans = [demo_plan(tuple(x.shape), 64, 32) for x in jax.tree.leaves(cfg.param_shapes())]
+    message = offset_bytes(plans) + 4 * sum(p.kept for p in plans)
+    return 8 * message / cfg.num_params()
+
+
+def phases_by_count(
+    method: Method, n: int, bucket_bytes: int | None, axis: AxisName = "dp", nodes: int = 1
+) -> dict[int, tuple]:
     """The phase values of steps ``0..max(counts)``, from a tiny copy of the model on ``n``
-    CPU devices (the schedule, not the model, decides them)."""
+    CPU devices (the schedule, not the model, decides them), over the same ``axis`` (a
+    ``(nodes, n // nodes)`` mesh for ``TUPLE``)."""
     tiny = ModelConfig(layers=1, width=32, heads=2, vocab=64, seq=16, batch_per_device=2)
     cpu = jax.devices("cpu")
     if len(cpu) < n:
         raise RuntimeError(f"need {n} CPU devices for the phase probe, have {len(cpu)}")
-    mesh = jax.sharding.Mesh(np.array(cpu[:n]), ("dp",))
-    tx = method.make(None if bucket_bytes is None else 1024)
-    step, state = jc.make_train_step(mesh, "dp", make_loss(tiny), tx, tiny.init(jax.random.key(0)))
+    if axis == "dp":
+        mesh = jax.sharding.Mesh(np.array(cpu[:n]), ("dp",))
+    else:
+        mesh = jax.sharding.Mesh(np.array(cpu[:n]).reshape(nodes, n // nodes), axis)
+    tx = method.make(None if bucket_bytes is None else 1024, axis)
+    step, state = jc.make_train_step(mesh, axis, make_loss(tiny), tx, tiny.init(jax.random.key(0)))
     rng = np.random.default_rng(0)
     out = {}
     for count in range(max(method.counts.values()) + 1):
@@ -252,7 +321,8 @@ def node_of(device) -> int:
 def topology(name: str, axes: tuple[str, ...] = ("dp",)):
     """``(mesh, devices)`` for ``name``: a TPU topology string (``...x2s`` for two slices) or
     ``h100:<nodes>x1x<gpus>`` (NVIDIA H100s from the GpuTargetConfig in ``H100_CONFIG``).
-    ``axes=("node", "local")`` gives a 2-D mesh with one row per node (see :func:`node_of`)."""
+    ``axes=("node", "local")`` (or ``TUPLE``) gives a 2-D mesh with one row per node (see
+    :func:`node_of`), the slow axis first."""
     from jax.experimental import topologies
 
     if platform_of(name) == "gpu":
@@ -395,7 +465,9 @@ def _continuation(seq: list, start: int, name: str, op: str, comp: str, line: st
 def megascale_transfers(text: str) -> list[dict]:
     """The cross-slice (DCN) traffic of a multislice program: libtpu compiles one program per
     slice, whose HLO collectives stay inside the slice, and sends what crosses slices as host
-    transfers handled by ``xla_megascale_runtime`` (``send``/``recv`` pairs)."""
+    transfers handled by ``xla_megascale_runtime`` (``send``/``recv`` pairs). ``bytes`` is a
+    transfer's payload, ``wire_bytes`` what this device sends to other slices
+    (:func:`_megascale_wire`)."""
     out = []
     for instrs in _computations(text).values():
         names = [n for n, _, _ in instrs]
@@ -418,10 +490,57 @@ def megascale_transfers(text: str) -> list[dict]:
                     between += 1
             first = re.search(r"[a-z]+[0-9]*\[[0-9,]*\](?:\{[^}]*\})?", shape)
             tiled = tiled_bytes(first.group(0)) if first else None
+            kind, group, wire = _megascale_wire(line, nbytes)
+            share = 1.0 if wire is None or not nbytes else wire / nbytes
             out.append(dict(op=op, dtypes=sorted({a[0] for a in arrays}), bytes=int(nbytes),
                             tiled_bytes=int(nbytes if tiled is None else tiled),
+                            kind=kind, group=group,
+                            wire_bytes=float(nbytes if wire is None else wire),
+                            tiled_wire_bytes=float(nbytes if tiled is None else tiled) * share,
+                            modelled=wire is not None,
                             between=between, index=names.index(name)))  # fmt: skip
     return out
+
+
+def _megascale_group(target: str) -> tuple[int, int] | None:
+    """``(members, members in another slice)`` of one device's group in a megascale target:
+    ``{{100000,200000},...}`` (explicit: slice ``id // 100000``, the groups alike) or
+    ``{1,2}x{0:3}`` (slices x chips: one chip of each listed slice)."""
+    explicit = re.match(r"\{\{([0-9,]+)\}", target)
+    if explicit:
+        ids = [int(x) for x in explicit.group(1).split(",")]
+        first = ids[0] // 100000
+        return len(ids), sum(1 for i in ids if i // 100000 != first)
+    compact = re.match(r"\{([0-9,:]+)\}x\{", target)
+    if compact:
+        count = 0
+        for part in compact.group(1).split(","):
+            lo, _, hi = part.partition(":")
+            count += int(hi) - int(lo) + 1 if hi else 1
+        return count, count - 1
+    return None
+
+
+def _megascale_wire(line: str, payload: int) -> tuple[str, list | None, float | None]:
+    """``(kind, group, bytes this device sends to other slices)`` of a megascale transfer
+    whose payload (the send's first array) is ``payload`` bytes, under the ring/pairwise model
+    of ``jaxcomm.inspect``: an all-to-all sends the rows of the devices in other slices, an
+    all-gather its shard to each of them, an all-reduce ``2 (G - 1) / G`` of it
+    (``(G, in other slices)`` the group); ``None`` for a kind or target not modelled."""
+    kind = re.search(r'_xla_megascale_transfer_type="([A-Z_]+)"', line)
+    target = re.search(r'_xla_megascale_target="?(\{[^"]*?\}\}?)"?,', line)
+    k = kind.group(1) if kind else "?"
+    group = _megascale_group(target.group(1)) if target else None
+    if not group:
+        return k, None, None
+    size, off = group
+    wire = {
+        "ALL_TO_ALL": payload * off / size,
+        "ALL_GATHER": payload * off,
+        "ALL_REDUCE": 2 * payload * off / size,
+        "REDUCE_SCATTER": payload * off / size,
+    }.get(k)
+    return k, list(group), wire
 
 
 def _done_shapes(text: str) -> dict[str, int]:
@@ -543,10 +662,14 @@ def analyse(text: str, devices: list) -> dict:
         tiled_wire_bytes=sum(r["tiled_wire_bytes"] for r in rows),
         async_pairs=sum(r["is_async"] for r in rows),
         overlap_fraction=(overlapped / total) if total else None,
+        # Bytes each device sends to other slices or hosts: crossing collectives, and the
+        # megascale transfers under the same wire model (dcn_transfers); their payloads apart.
         cross_slice_bytes=sum(r["wire_bytes"] for r in rows if r["crosses_slices"])
-        + sum(t["bytes"] for t in dcn if t["op"] == "send"),
+        + sum(t["wire_bytes"] for t in dcn if t["op"] == "send"),
         cross_slice_tiled_bytes=sum(r["tiled_wire_bytes"] for r in rows if r["crosses_slices"])
-        + sum(t["tiled_bytes"] for t in dcn if t["op"] == "send"),
+        + sum(t["tiled_wire_bytes"] for t in dcn if t["op"] == "send"),
+        dcn_send_payload_bytes=sum(t["bytes"] for t in dcn if t["op"] == "send"),
+        dcn_unmodelled=sum(not t["modelled"] for t in dcn if t["op"] == "send"),
         dcn_sends=[t for t in dcn if t["op"] == "send"],
         dcn_send_dtypes=sorted({d for t in dcn if t["op"] == "send" for d in t["dtypes"]}),
         dcn_send_overlap_fraction=(
@@ -556,6 +679,75 @@ def analyse(text: str, devices: list) -> dict:
         if dcn
         else None,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Two levels: what crosses the slow link (between GPU hosts, between TPU slices) per device.
+
+# The target of the tuple axis: at most BOUND_FACTOR x (2 P bits / 8) / n_fast bytes per device
+# across the slow axis, plus SCALAR_SLACK bytes of scalars (the loss, finite flags, norms).
+BOUND_FACTOR = 1.3
+SCALAR_SLACK = 4096
+
+
+def dcn_transfers(text: str) -> list[dict]:
+    """The megascale sends of a multislice TPU program (:func:`megascale_transfers`): what each
+    device sends to other slices."""
+    return [t for t in megascale_transfers(text) if t["op"] == "send"]
+
+
+def level_bytes(
+    text: str, analysis: dict, mesh, cfg: ModelConfig, method: Method, phase: str,
+    two_level: bool,
+) -> dict:  # fmt: skip
+    """Bytes per device that cross the slow link and that stay inside a node or slice, and the
+    tuple axis's target for them.
+
+    GPU (one program over every device): a collective crosses when its groups hold devices of
+    two hosts (``process_index``); its bytes count whole (a flat collective's count whole too,
+    though part of it stays inside a host). For a 2-D mesh the split is checked against
+    ``jc.wire_bytes_by_axes``. TPU multislice (one program per slice): the HLO's collectives
+    stay inside the slice (ICI); what crosses slices is the megascale transfers
+    (:func:`dcn_transfers`), counted per device with the same wire model.
+
+    The bound: ``BOUND_FACTOR x (2 P bits / 8) / n_fast + SCALAR_SLACK`` with ``P`` the model's
+    parameters, ``bits`` the method's (``Method.bits``), ``n_fast`` the devices per node; a
+    ``silent`` phase (DiLoCo's inner step) is held to ``SCALAR_SLACK`` alone. ``target`` says
+    whether the row is a two-level one, the rows the bound is for."""
+    nodes = len({node_of(d) for d in mesh.devices.flat})
+    n_fast = mesh.devices.size // nodes
+    rows = analysis["collectives"]
+    dcn = dcn_transfers(text)
+    if dcn or num_devices(text) < mesh.devices.size:  # TPU multislice
+        slow = sum(t["wire_bytes"] for t in dcn)
+        fast = sum(r["wire_bytes"] for r in rows)
+        by_axes = None
+    else:
+        slow = sum(r["wire_bytes"] for r in rows if r["crosses_slices"])
+        fast = sum(r["wire_bytes"] for r in rows if not r["crosses_slices"])
+        by_axes = None
+        if mesh.devices.ndim == 2:  # the library's own split, by the mesh's axes
+            split = jc.wire_bytes_by_axes(text, mesh)
+            by_axes = {",".join(k) or "none": v for k, v in split.items()}
+            across = sum(v for k, v in split.items() if mesh.axis_names[0] in k)
+            if abs(across - slow) > 1e-6 * max(slow, 1):
+                print(f"  note: slow-axis bytes {slow:.0f} here, {across:.0f} by "
+                      f"jc.wire_bytes_by_axes", flush=True)  # fmt: skip
+    bits = method.bits(cfg) if callable(method.bits) else method.bits
+    params = cfg.num_params()
+    silent = phase in method.silent
+    if bits is None:
+        bound = None
+    else:
+        bound = 0.0 if silent else BOUND_FACTOR * 2 * params * bits / 8 / n_fast
+    return dict(
+        nodes=int(nodes), n_fast=int(n_fast), parameters=params, bits=bits,
+        slow_bytes=float(slow), fast_bytes=float(fast), by_axes=by_axes,
+        dcn_transfers=len(dcn), dcn_unmodelled=sum(not t["modelled"] for t in dcn),
+        bound_bytes=bound, slack_bytes=SCALAR_SLACK, silent=silent, target=two_level,
+        passes=None if bound is None else bool(slow <= bound + SCALAR_SLACK),
+        ratio_to_reference=(slow / (2 * params * bits / 8 / n_fast)) if bits else None,
+    )  # fmt: skip
 
 
 def peak_bytes(compiled) -> int | None:
@@ -575,20 +767,23 @@ def peak_bytes(compiled) -> int | None:
 # One method on one topology.
 
 
-def abstract_step(mesh, method: Method, cfg: ModelConfig, bucket_bytes: int | None):
-    """``(step, state, batch)``: the user's ``jc.make_train_step`` on ``mesh``, its state and a
-    batch as ``ShapeDtypeStruct``s placed on ``mesh``. ``make_train_step`` runs under
-    ``jax.eval_shape``, so its initial state is traced, never computed (no TPU is attached)."""
+def abstract_step(
+    mesh, method: Method, cfg: ModelConfig, bucket_bytes: int | None, axis: AxisName = "dp"
+):
+    """``(step, state, batch)``: the user's ``jc.make_train_step`` on ``mesh`` over ``axis``
+    (``"dp"`` or ``TUPLE``), its state and a batch as ``ShapeDtypeStruct``s placed on ``mesh``.
+    ``make_train_step`` runs under ``jax.eval_shape``, so its initial state is traced, never
+    computed (no TPU is attached)."""
     made = {}
-    tx = method.make(bucket_bytes)
+    tx = method.make(bucket_bytes, axis)
 
     def build(params):
-        step, state = jc.make_train_step(mesh, "dp", make_loss(cfg), tx, params)
+        step, state = jc.make_train_step(mesh, axis, make_loss(cfg), tx, params)
         made["step"] = step
         return state
 
     state = jax.eval_shape(build, cfg.param_shapes())
-    specs = jc.train_state_specs(state, "dp")
+    specs = jc.train_state_specs(state, axis)
     state = jax.tree.map(
         lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)),
         state,
@@ -597,7 +792,7 @@ def abstract_step(mesh, method: Method, cfg: ModelConfig, bucket_bytes: int | No
     )
     n = mesh.devices.size
     batch = jax.ShapeDtypeStruct(
-        (n * cfg.batch_per_device, cfg.seq + 1), jnp.int32, sharding=NamedSharding(mesh, P("dp"))
+        (n * cfg.batch_per_device, cfg.seq + 1), jnp.int32, sharding=NamedSharding(mesh, P(axis))
     )
     return made["step"], state, batch
 
@@ -674,6 +869,48 @@ def hierarchical_step(mesh, cfg: ModelConfig, bucket_bytes: int | None):
     return fn, args
 
 
+def compile_row(row: dict, lower: Callable, mesh, method: Method, cfg, out: str) -> None:
+    """Compiles ``lower()`` with the row's compiler options and fills ``row`` in: compile time,
+    memory, cost, the saved HLO's file, its analysis and, on several nodes, its ``levels``
+    (:func:`level_bytes`); or the error."""
+    axes = row["axes"]
+    try:
+        compiled, secs = compile_one(lower, row["compiler_options"])
+        text = compiled.as_text()
+        tag = ".tuple" if axes == list(TUPLE) else ""
+        fname = (f"{row['method']}{tag}.{row['phase']}.{row['topology'].replace(':', '_')}."
+                 f"{row['flags']}.hlo.txt")  # fmt: skip
+        with open(os.path.join(out, fname), "w") as f:
+            f.write(text)
+        analysis = analyse(text, list(mesh.devices.flat))
+        row.update(
+            compiles=True, compile_s=secs, peak_bytes=peak_bytes(compiled),
+            cost=cost_of(compiled), hlo_file=fname, analysis=analysis,
+        )  # fmt: skip
+        if row["slices"] > 1:
+            row["levels"] = level_bytes(
+                text, analysis, mesh, cfg, method, row["phase"], two_level=axes != ["dp"]
+            )
+    except Exception as e:  # noqa: BLE001 - the report records any failure
+        row.update(compiles=False, error=f"{type(e).__name__}: {e}"[:2000])
+    a = row.get("analysis") or {}
+    lv = row.get("levels") or {}
+    across = ""
+    if lv:
+        bound = "-" if lv["bound_bytes"] is None else _fmt_bytes(lv["bound_bytes"])
+        across = f" across {_fmt_bytes(lv['slow_bytes'])} (bound {bound}) inside " + _fmt_bytes(
+            lv["fast_bytes"]
+        )
+    print(
+        f"[{row['topology']} {'/'.join(axes)} {row['method']}/{row['phase']} {row['flags']}] "
+        f"{'ok' if row['compiles'] else 'FAILED ' + row['error'][:300]} "
+        f"{row.get('compile_s', 0):.0f}s peak {_fmt_bytes(row.get('peak_bytes'))}"
+        f" accessed {_fmt_bytes(accessed_of(row))} wire {_fmt_bytes(a.get('wire_bytes'))}"
+        f" overlap {a.get('overlap_fraction')}{across}",
+        flush=True,
+    )
+
+
 def _versions() -> dict:
     out = {"python": platform.python_version()}
     for pkg in ("jax", "jaxlib", "libtpu", "optax", "jaxcomm"):
@@ -725,6 +962,33 @@ def print_table(rows: list[dict]) -> None:
             f"{_fmt_bytes(a.get('cross_slice_bytes')) if r['slices'] > 1 else '-':>11}"
             f"{_pct(a.get('dcn_send_overlap_fraction')) if r['slices'] > 1 else '-':>9}"
         )
+    levels = [r for r in rows if r.get("levels")]
+    if levels:
+        print()
+        print(
+            "across the slow link (hosts or slices) and inside a node, bytes per device; bound: "
+            f"{BOUND_FACTOR} x (2 P bits / 8) / n_fast + {SCALAR_SLACK} B of scalars "
+            "(two-level rows)"
+        )
+        head = (
+            f"{'method':<14}{'phase':<11}{'axes':<12}{'topology':<12}{'flags':<8}{'bits':>6}"
+            f"{'across':>12}{'inside':>12}{'bound':>12}{'x ref':>7}{'target':>8}"
+        )
+        print(head)
+        print("-" * len(head))
+        for r in levels:
+            lv = r["levels"]
+            bits = lv["bits"]
+            verdict = "-" if not lv["target"] or lv["passes"] is None else (
+                "pass" if lv["passes"] else "FAIL")  # fmt: skip
+            ref = lv["ratio_to_reference"]
+            print(
+                f"{r['method']:<14}{r['phase']:<11}{'/'.join(r['axes']):<12}{r['topology']:<12}"
+                f"{r['flags']:<8}{'-' if bits is None else f'{bits:.3g}':>6}"
+                f"{_fmt_bytes(lv['slow_bytes']):>12}{_fmt_bytes(lv['fast_bytes']):>12}"
+                f"{_fmt_bytes(lv['bound_bytes']):>12}{'-' if ref is None else f'{ref:.2f}':>7}"
+                f"{verdict:>8}"
+            )
     print()
     print("collectives by kind (count, async count, bytes per device):")
     for r in rows:
@@ -745,6 +1009,11 @@ def main(argv=None) -> int:
     p.add_argument("--topologies", default="v5e:2x2,v5p:2x2x1,v5e:2x2x2s")
     p.add_argument("--methods", default=",".join(methods()))
     p.add_argument("--flags", default="default,async", help="flag sets: default, async")
+    p.add_argument(
+        "--axes", default="flat",
+        help="flat (one axis 'dp' over every device), tuple (('host', 'local'): exact inside a "
+        "node or slice, compressed across; topologies of several nodes only) or flat,tuple",
+    )  # fmt: skip
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--seq", type=int, default=1024)
@@ -772,67 +1041,57 @@ def main(argv=None) -> int:
     print(f"model: {cfg.num_params() / 1e6:.1f}M parameters, {cfg}, bucket_bytes={bucket}")
 
     rows: list[dict] = []
-    phase_cache: dict[tuple[str, int], dict[int, tuple]] = {}
+    phase_cache: dict[tuple, dict[int, tuple]] = {}
+    kinds = args.axes.split(",")
     for topo_name in args.topologies.split(","):
-        mesh, devices = topology(topo_name)
-        n = len(devices)
-        n_slices = len({node_of(d) for d in devices})
+        flat_mesh, flat_devices = topology(topo_name)
+        n = len(flat_devices)
+        n_slices = len({node_of(d) for d in flat_devices})
         plat = platform_of(topo_name)
         SKIPS.clear()
         if plat == "gpu":
             SKIPS["max_consecutive_skips"] = None
-        for mname in args.methods.split(","):
-            method = table[mname]
-            if mname == "hierarchical":
-                if n_slices < 2:
-                    continue  # needs a slow axis: a topology of several slices or hosts
-                mesh2, devs = topology(topo_name, ("node", "local"))
-                fn, fargs = hierarchical_step(mesh2, cfg, bucket)
-                programs = [("step", (), lambda fn=fn, fargs=fargs: fn.lower(*fargs), devs)]
-            else:
-                if (mname, n) not in phase_cache:
-                    phase_cache[(mname, n)] = phases_by_count(method, n, bucket)
-                step, state, batch = abstract_step(mesh, method, cfg, bucket)
-                ph_of = phase_cache[(mname, n)]
-                programs = [
-                    (label, ph_of[count],
-                     lambda ph=ph_of[count], st=step, a=(state, batch): st.program(ph).lower(*a),
-                     devices)
-                    for label, count in method.counts.items()
-                ]  # fmt: skip
-            for label, phases, lower, devs in programs:
-                for flag_name in args.flags.split(","):
-                    flags = flag_set(plat, flag_name, bucket)
-                    row = dict(
-                        method=mname, what=method.what, phase=label, phase_values=list(phases),
-                        topology=topo_name, platform=plat, devices=n, slices=n_slices,
-                        flags=flag_name, compiler_options=flags,
-                        device_kind=devices[0].device_kind, optimizer_extra=dict(SKIPS),
-                    )  # fmt: skip
-                    try:
-                        compiled, secs = compile_one(lower, flags)
-                        text = compiled.as_text()
-                        fname = f"{mname}.{label}.{topo_name.replace(':', '_')}.{flag_name}.hlo.txt"
-                        with open(os.path.join(args.out, fname), "w") as f:
-                            f.write(text)
-                        row.update(
-                            compiles=True, compile_s=secs, peak_bytes=peak_bytes(compiled),
-                            cost=cost_of(compiled), hlo_file=fname, analysis=analyse(text, devs),
+        for kind in kinds:
+            if kind == "tuple" and n_slices < 2:
+                print(f"[{topo_name}] one node: no tuple-axis rows", flush=True)
+                continue
+            axis = TUPLE if kind == "tuple" else "dp"
+            mesh, devices = topology(topo_name, TUPLE) if kind == "tuple" else (
+                flat_mesh, flat_devices)  # fmt: skip
+            for mname in args.methods.split(","):
+                method = table[mname]
+                if mname == "hierarchical":
+                    if n_slices < 2 or kind != kinds[0]:
+                        continue  # needs a slow axis; its own two-level step, compiled once
+                    mesh2, devs = topology(topo_name, ("node", "local"))
+                    fn, fargs = hierarchical_step(mesh2, cfg, bucket)
+                    programs = [("step", (), lambda fn=fn, fargs=fargs: fn.lower(*fargs))]
+                    row_axes, row_mesh = ["node", "local"], mesh2
+                else:
+                    key = (mname, n, kind)
+                    if key not in phase_cache:
+                        phase_cache[key] = phases_by_count(method, n, bucket, axis, n_slices)
+                    step, state, batch = abstract_step(mesh, method, cfg, bucket, axis)
+                    ph_of = phase_cache[key]
+                    programs = [
+                        (label, ph_of[c],
+                         lambda ph=ph_of[c], st=step, a=(state, batch): st.program(ph).lower(*a))
+                        for label, c in method.counts.items()
+                    ]  # fmt: skip
+                    row_axes, row_mesh = list(axis) if kind == "tuple" else ["dp"], mesh
+                what = method.what + (", tuple axis (host, local)" if kind == "tuple" else "")
+                for label, phases, lower in programs:
+                    for flag_name in args.flags.split(","):
+                        row = dict(
+                            method=mname, what=what, phase=label, phase_values=list(phases),
+                            axes=row_axes, topology=topo_name, platform=plat, devices=n,
+                            slices=n_slices, flags=flag_name,
+                            compiler_options=flag_set(plat, flag_name, bucket),
+                            device_kind=devices[0].device_kind, optimizer_extra=dict(SKIPS),
                         )  # fmt: skip
-                    except Exception as e:  # noqa: BLE001 - the report records any failure
-                        row.update(compiles=False, error=f"{type(e).__name__}: {e}"[:2000])
-                    rows.append(row)
-                    a = row.get("analysis") or {}
-                    print(
-                        f"[{topo_name} {mname}/{label} {flag_name}] "
-                        f"{'ok' if row['compiles'] else 'FAILED'} "
-                        f"{row.get('compile_s', 0):.0f}s peak {_fmt_bytes(row.get('peak_bytes'))}"
-                        f" accessed {_fmt_bytes(accessed_of(row))}"
-                        f" wire {_fmt_bytes(a.get('wire_bytes'))} overlap "
-                        f"{a.get('overlap_fraction')}",
-                        flush=True,
-                    )
-                    _write(args, cfg, bucket, rows)
+                        compile_row(row, lower, row_mesh, method, cfg, args.out)
+                        rows.append(row)
+                        _write(args, cfg, bucket, rows)
 
     print()
     print_table(rows)
@@ -842,19 +1101,60 @@ def main(argv=None) -> int:
 
 
 def reanalyse(out: str) -> int:
-    """Recomputes every row's analysis from the HLO files saved in ``out``."""
+    """Recomputes every row's analysis (and, on several nodes, its levels) from the HLO files
+    saved in ``out``."""
     path = os.path.join(out, "aot_report.json")
     with open(path) as f:
         report = json.load(f)
+    cfg = ModelConfig(**{k: v for k, v in report["model"].items() if k != "parameters"})
+    table = methods()
     for row in report["rows"]:
         if row.get("hlo_file"):
-            _, devices = topology(row["topology"])
+            axes = tuple(row.get("axes", ["dp"]))
+            mesh, devices = topology(row["topology"], axes)
             with open(os.path.join(out, row["hlo_file"])) as f:
-                row["analysis"] = analyse(f.read(), devices)
+                text = f.read()
+            row["analysis"] = analyse(text, devices)
+            if row["slices"] > 1:
+                row["levels"] = level_bytes(
+                    text, row["analysis"], mesh, cfg, table[row["method"]], row["phase"],
+                    two_level=axes != ("dp",),
+                )  # fmt: skip
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)
     print_table(report["rows"])
     return 0
+
+
+def _source() -> dict:
+    """The commit of the jaxcomm measured and whether its ``jaxcomm/`` differed from it."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jc.__file__)))
+
+    def git(*argv: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", root, *argv], capture_output=True, text=True, check=True
+        )
+        return done.stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--", "jaxcomm")
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return {"commit": commit, "jaxcomm_modified": bool(dirty)}
+
+
+def _cpu() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def _write(args, cfg: ModelConfig, bucket: int | None, rows: list[dict]) -> None:
@@ -862,7 +1162,7 @@ def _write(args, cfg: ModelConfig, bucket: int | None, rows: list[dict]) -> None
         command=" ".join([sys.executable, *sys.argv]),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         machine=dict(platform=platform.platform(), processor=platform.machine(),
-                     cpus=os.cpu_count()),
+                     cpus=os.cpu_count(), cpu=_cpu()),
         versions=_versions(),
         model=dict(cfg.__dict__, parameters=cfg.num_params()),
         bucket_bytes=bucket,
@@ -871,8 +1171,20 @@ def _write(args, cfg: ModelConfig, bucket: int | None, rows: list[dict]) -> None
             "share of the collectives' bytes per device whose collective is asynchronous and "
             "has at least one compute instruction scheduled between its start and its done"
         ),
+        levels_definition=(
+            "levels (topologies of several hosts or slices): slow_bytes, what each device sends "
+            "across hosts (GPU: collectives whose groups span two process_index values, counted "
+            "whole) or slices (TPU: the megascale transfers, the rows or shards bound for other "
+            "slices); fast_bytes, the other collectives' bytes. bound_bytes = "
+            f"{BOUND_FACTOR} x (2 P bits / 8) / n_fast, P the parameters, bits the method's "
+            "compressor's bits per parameter (DeMo: its message's), n_fast the devices per "
+            f"node; passes: slow_bytes <= bound_bytes + {SCALAR_SLACK} (scalars); a silent phase "
+            "(DiLoCo's inner step) has bound 0. The target is for the two-level rows (axes "
+            "host/local or node/local); flat rows are there to compare"
+        ),
         rows=rows,
     )  # fmt: skip
+    report.update(_source())
     for path in filter(None, (os.path.join(args.out, "aot_report.json"), args.json)):
         with open(path, "w") as f:
             json.dump(report, f, indent=1, default=str)

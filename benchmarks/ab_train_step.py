@@ -9,10 +9,11 @@ burst of load hits both alike. A step's time is the slower rank's; the table sho
 and the ratio of this checkout to the base. The local Adam step (no communication) is timed
 in the same rounds, as the floor.
 
-Usage (root for ``unshare``/``tc``, as the other shaped benchmarks)::
+Usage (root, for duplex.sh's namespaces and ``tc``, as the other shaped benchmarks: a
+full-duplex link of ``--rate`` each way; ``--topo lo``: one shaped loopback for both directions)::
 
     python benchmarks/ab_train_step.py --base HEAD~1 [--methods onebit_adam_phased,...]
-                                       [--model mlp|transformer] [--repeats 9]
+                                       [--model mlp|transformer] [--repeats 9] [--topo auto|lo]
 
 A method is a name of ``train_step_1gbit.py``'s ``make_tx`` (``cmean_onebit``, ``onebit_adam``,
 ``zero_one_adam``, ``onebit_lamb``, ``sharded_int8``, ``diloco_int4``, ...), with ``_phased``
@@ -76,12 +77,14 @@ def _worker(args: argparse.Namespace) -> None:
     import jax
     import numpy as np
     import train_step_1gbit as T
+    from _two_ranks import launcher_env
     from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm as jc
 
+    launcher_env()  # under duplex.sh: torchrun's variables, which init_distributed reads
     info = jc.init_distributed("gloo", initialization_timeout=120)
     base = importlib.import_module(BASE_NAME)
     rank = info.process_id
@@ -130,15 +133,14 @@ def _worker(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     import train_step_1gbit as T
-    from _two_ranks import run_two_ranks
+    from _two_ranks import add_link_options, describe_link, link_record, run_two_ranks
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base", default="HEAD", help="the commit to compare with (HEAD)")
     p.add_argument("--methods", default="onebit_adam,onebit_adam_phased", help="comma list")
     p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
     p.add_argument("--repeats", type=int, default=9, help="timed rounds (9)")
-    p.add_argument("--rate", default="1gbit", help="tc rate of the shaped loopback (1gbit)")
-    p.add_argument("--no-shape", action="store_true", help="run on the unshaped loopback")
+    add_link_options(p)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up")
     p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("--base-dir", help=argparse.SUPPRESS)
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             shaped=not args.no_shape,
             timeout=args.timeout,
             prefix="jaxcomm-ab-out-",
+            topo=args.topo,
+            duplex=args.duplex,
         )
     if ranks is None:
         return 0
@@ -168,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     slower = {k: np.maximum(ranks[0][k], ranks[1][k]) for k in ranks[0]}
     med = {k: float(np.median(v)) * 1e3 for k, v in slower.items()}
     print(f"base {commit[:10]} vs this checkout; {args.model}, median of {args.repeats} rounds")
+    print(describe_link(link_record(args)))
     print(f"{'method':28s} {'base (ms)':>10s} {'new (ms)':>10s} {'new/base':>9s}")
     print(f"{'local Adam step (floor)':28s} {med['local']:10.1f}")
     for method in args.methods.split(","):

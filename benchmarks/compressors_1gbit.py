@@ -1,10 +1,12 @@
 """fp32 ``lax.pmean`` vs every compressor's ``jc.compressed_pmean``, 2 processes, 1 Gbit/s link.
 
-Two processes (one CPU device each, gloo collectives over TCP) run in a private network
-namespace whose loopback is shaped with ``tc tbf`` to ``--rate``, which stands in for a slow
-cluster interconnect. Each reduces ``--size-mb`` of fp32 per process inside ``jax.shard_map``
-over the 2-device global mesh, once with ``lax.pmean`` and once per compressor with
-``jc.compressed_pmean(..., compressor=c)`` (``--methods`` picks them; all by default).
+Two processes (one CPU device each, gloo collectives over TCP), each in its own network namespace,
+joined by a full-duplex link shaped with ``tc tbf`` to ``--rate`` each way (``duplex.sh`` via
+``benchmarks/_two_ranks.py``; ``--topo lo``: one shaped loopback for both directions, the earlier
+setup), which stands in for a slow cluster interconnect. Each reduces ``--size-mb`` of fp32 per
+process inside ``jax.shard_map`` over the 2-device global mesh, once with ``lax.pmean`` and once per
+compressor with ``jc.compressed_pmean(..., compressor=c)`` (``--methods`` picks them; all by
+default).
 
 Timing: 2 warm-up calls per method, then ``--repeats`` rounds that time one call of every
 method in turn (so load bursts on a shared machine hit all methods alike), each call preceded
@@ -12,9 +14,11 @@ by a barrier (a tiny cross-process psum, timed too) so that both ranks start tog
 call's time is the slower rank's, and the table shows medians. Bytes on the wire per device
 are read from the compiled HLO (:func:`jaxcomm.inspect.wire_bytes`).
 
-Usage (needs root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped loopback)::
+Usage (root, for duplex.sh's namespaces and ``tc``; ``--no-shape`` runs on the unshaped
+loopback)::
 
-    python benchmarks/compressors_1gbit.py [--size-mb 64] [--rate 1gbit] [--repeats 5]
+    python benchmarks/compressors_1gbit.py [--size-mb 64] [--rate 1gbit] [--topo auto|lo]
+                                           [--repeats 5]
                                            [--methods onebit,int8,...] [--no-shape] [--json OUT]
 """
 

@@ -1,8 +1,10 @@
 """DiLoCo's outer sync in the background vs in the step, on a shaped link: time per cycle.
 
-Two processes (one CPU device each, gloo) on a loopback shaped with ``tc tbf`` (the shared
-driver ``benchmarks/_two_ranks.py``), the 64 MiB MLP of ``user_path.py`` (4 x 2048 x 2048,
-16.8M fp32 parameters, 16 examples per process), ``jc.make_train_step`` with
+Two processes (one CPU device each, gloo), each in its own network namespace, joined by a
+full-duplex link shaped with ``tc tbf`` to ``--rate`` each way (``duplex.sh``, through the shared
+driver ``benchmarks/_two_ranks.py``; ``--topo lo``: one shaped loopback, one queue for both
+directions, the half-duplex setup of the earlier results), the 64 MiB MLP of ``user_path.py``
+(4 x 2048 x 2048, 16.8M fp32 parameters, 16 examples per process), ``jc.make_train_step`` with
 ``jc.diloco(optax.adam(lr), optax.sgd(0.7, momentum=0.9, nesterov=True), H, fragments=F,
 overlap_steps=tau, compressor=...)`` and ``mean_metrics=False`` (each process's own loss: the
 inner steps send nothing; ``--mean-metrics`` adds the per-step loss all-reduce). Rows, each a
@@ -20,16 +22,17 @@ spikes in the first five cycles, rare after), which a long run pays once. ``--pi
 ``r`` on core ``r``. Rounds alternate the rows; the table gives each row's median cycle over
 ``--repeats`` rounds, slower rank, and the ratios to the floor. The JSON (``--json``) records
 the command, versions, machine and date, and ``background_wire``: the bytes each process sent
-per cycle in the background sync and the link time they need at least. The shaped loopback
-passes both processes' bytes through one token bucket, so that time is both processes' bytes
-over the rate: twice what a full-duplex link of the same rate needs for this symmetric traffic
-(``--rate 200mbit`` stands in for 100 Mbit/s each way). A background cycle cannot be shorter
-than its link time.
+per cycle in the background sync and the link time they need at least: on the full-duplex link
+each process's bytes go their own way at the rate, so it is the larger process's bytes over the
+rate; with ``--topo lo`` both processes' bytes pass one token bucket, so it is their sum over the
+rate (twice as long for this symmetric traffic: the earlier results' ``200mbit`` stood in for 100
+Mbit/s each way). A background cycle cannot be shorter than its link time. The JSON also records
+the link (``"link"``: duplex.sh's topology, the rate, full duplex or not).
 
-Usage (root for ``unshare``/``tc``)::
+Usage (root, for duplex.sh's namespaces and ``tc``)::
 
-    python benchmarks/diloco_background.py [--rate 100mbit] [--H 16] [--F 1] [--bits 4] \\
-        [--repeats 3] [--json OUT]
+    python benchmarks/diloco_background.py [--rate 100mbit] [--topo auto|lo] [--H 16] [--F 1] \\
+        [--bits 4] [--repeats 3] [--json OUT]
 """
 
 from __future__ import annotations
@@ -312,14 +315,18 @@ def _bytes_per_second(rate: str) -> float:
 
 
 def _wire(ranks: list[dict], args, shaped: bool, cycle: dict) -> dict | None:
-    """The background sync's bytes per cycle and the link time they need at least: the shaped
-    loopback passes both processes' bytes (both directions) through one token bucket."""
+    """The background sync's bytes per cycle and the link time they need at least: on the
+    full-duplex link each direction has its own token bucket (the larger process's bytes over
+    the rate); on the shared loopback (``--topo lo``) both processes' bytes pass one (their sum
+    over the rate)."""
     sent = [r.get("sent_bytes_per_cycle") for r in ranks]
     if None in sent:
         return None
     wire = {"sent_bytes_per_cycle": sent}
     if shaped:
-        link_s = sum(sent) / _bytes_per_second(args.rate)
+        one_queue = args.topo == "lo"
+        link_s = (sum(sent) if one_queue else max(sent)) / _bytes_per_second(args.rate)
+        wire["link_queues"] = "one, both directions" if one_queue else "one per direction"
         wire["link_s_per_cycle"] = link_s
         if "floor" in cycle:
             wire["link_over_floor"] = link_s / cycle["floor"]

@@ -1,8 +1,9 @@
 """Train-step time of sharded data parallel (ZeRO 1-2) with int8 traffic vs plain fp32 DP, 1 Gbit/s.
 
-Two processes (one CPU device each, gloo collectives over TCP) in a private network namespace
-whose loopback is shaped with ``tc tbf`` to ``--rate`` (the harness of
-``benchmarks/compressors_1gbit.py``, :func:`jaxcomm.cli.launch.launch_local`). Each trains the
+Two processes (one CPU device each, gloo collectives over TCP), each in its own network
+namespace, joined by a full-duplex link shaped with ``tc tbf`` to ``--rate`` each way
+(``duplex.sh`` via the shared driver ``benchmarks/_two_ranks.py``; ``--topo lo``: one shaped
+loopback for both directions, the earlier setup). Each trains the
 same MLP (``--width`` x ``--width`` layers, ``--layers`` of them: 16.8M fp32 parameters, 64 MiB, by
 default) with Adam through ``jc.make_train_step``, one method after the other:
 
@@ -19,9 +20,11 @@ together; a step's time is the slower rank's; the table shows medians and the sp
 ``fp32`` of the same run. Bytes on the wire per device per step come from the compiled HLO
 (:func:`jaxcomm.inspect.wire_bytes`); optimizer-state bytes per device from the arrays.
 
-Usage (root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped loopback)::
+Usage (root, for duplex.sh's namespaces and ``tc``; ``--no-shape`` runs on the unshaped
+loopback)::
 
-    python benchmarks/sharded_1gbit.py [--width 2048] [--layers 4] [--rate 1gbit] [--repeats 5]
+    python benchmarks/sharded_1gbit.py [--width 2048] [--layers 4] [--rate 1gbit] [--topo auto|lo]
+                                       [--repeats 5]
 """
 
 from __future__ import annotations

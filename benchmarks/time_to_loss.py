@@ -1,10 +1,12 @@
 """Time to loss on a slow link: held-out loss against wall-clock time and bytes, per optimizer.
 
-Two processes (one CPU device each, gloo; ``benchmarks/_two_ranks.py``) on a loopback shaped
-with ``tc tbf`` to ``--rate`` train the byte-level transformer LM of :mod:`jaxcomm.cli.models`
-(``--size small``: its defaults, 0.135M parameters; ``large``: width 128, 4 layers, 0.86M) from
-the same initial parameters on the same batches (``BATCH`` windows of 32 bytes per process and
-step) with each method, through ``jc.make_train_step`` with its default arguments:
+Two processes (one CPU device each, gloo; ``benchmarks/_two_ranks.py``), each in its own network
+namespace, joined by a full-duplex link shaped with ``tc tbf`` to ``--rate`` each way
+(``duplex.sh``; ``--topo lo``: one shaped loopback for both directions, the earlier setup), train
+the byte-level transformer LM of :mod:`jaxcomm.cli.models` (``--size small``: its defaults, 0.135M
+parameters; ``large``: width 128, 4 layers, 0.86M) from the same initial parameters on the same
+batches (``BATCH`` windows of 32 bytes per process and step) with each method, through
+``jc.make_train_step`` with its default arguments:
 
 * ``exact_adam``: ``optax.chain(jc.compressed_mean("dp", jc.NoCompression()), optax.adam)``;
 * ``onebit_adam``: ``jc.onebit_adam`` (exact warm-up of ``FREEZE_FRACTION`` of Adam's steps);
@@ -28,8 +30,9 @@ parameters, 0/1 Adam's mean parameters) and compilation are outside it: every me
 where the step is phase-specialised and has no background sync, the program of every phase
 combination its schedule can take once (0/1 Adam's later kinds of step); a program compiled
 inside the clock is still counted in the results. A background sync in flight when a block ends
-keeps running during the evaluation. Bytes are what crossed the shaped link (the private
-namespace's loopback counters, all traffic during the timed blocks, divided by the two
+keeps running during the evaluation. Bytes are what crossed the shaped link (rank 0's
+counters: its namespace's ``eth0``, sent and received, on the full-duplex link; the shared
+namespace's loopback with ``--topo lo``; all traffic during the timed blocks, divided by the two
 processes: TCP/IP headers included). Reported per method: time to reach exact Adam's final loss
 (at the first evaluation at or below it, so over-estimated by up to one block; ``T`` for exact
 Adam itself), or the loss reached within ``T``; the speedup ``T / time``; bytes. ``--combine``
@@ -46,9 +49,9 @@ selected learning rate, SparseLoCo's baseline); with ``--seeds``, only SparseLoC
 DiLoCo at each seed given (seeds chosen before the runs). ``--ablate`` runs SparseLoCo with
 each of ``ABLATIONS`` on seed 1. ``--plot`` draws the loss-time curves of result files.
 
-Usage (root for ``unshare``/``tc``; one link speed per invocation)::
+Usage (root, for duplex.sh's namespaces and ``tc``; one link speed per invocation)::
 
-    python benchmarks/time_to_loss.py --rate 100mbit --size small --json OUT
+    python benchmarks/time_to_loss.py --rate 100mbit [--topo auto|lo] --size small --json OUT
     python benchmarks/time_to_loss.py --select [--grid KEY,...] --json OUT
     python benchmarks/time_to_loss.py --quality --json OUT
     python benchmarks/time_to_loss.py --quality --seeds 2,3,4,5 --json OUT
@@ -259,13 +262,18 @@ def _compile_phases(step, state, batch, mesh) -> None:
         run(values)
 
 
-def _lo_bytes() -> int:
-    """Bytes sent on this network namespace's loopback so far (``/proc/net/dev``)."""
+def _link_bytes() -> int:
+    """Bytes that crossed the link so far, both directions (``/proc/net/dev``): under duplex.sh's
+    own namespace per rank, this namespace's ``eth0`` (received + sent: the peer's bytes and
+    ours); on a shared loopback, its bytes sent (every packet of both ranks, once)."""
+    counters = {}
     for line in Path("/proc/net/dev").read_text().splitlines():
         name, _, fields = line.partition(":")
-        if name.strip() == "lo":
-            return int(fields.split()[8])
-    return 0
+        if fields:
+            counters[name.strip()] = fields.split()
+    if os.environ.get("DUPLEX_NS") and "eth0" in counters:
+        return int(counters["eth0"][0]) + int(counters["eth0"][8])
+    return int(counters["lo"][8]) if "lo" in counters else 0
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -332,7 +340,7 @@ def _worker(args: argparse.Namespace) -> None:
         while True:
             agree(0.0)
             programs = _programs(step)
-            b0, t0 = _lo_bytes(), time.perf_counter()
+            b0, t0 = _link_bytes(), time.perf_counter()
             for _ in range(EVAL_EVERY):
                 state, loss = step(state, local(batches[i]))
                 i += 1
@@ -340,7 +348,7 @@ def _worker(args: argparse.Namespace) -> None:
                     read(loss)
             read(loss)
             jax.block_until_ready(state)
-            dt, b1 = time.perf_counter() - t0, _lo_bytes()
+            dt, b1 = time.perf_counter() - t0, _link_bytes()
             elapsed += agree(dt)
             compiled_in_clock += _programs(step) - programs
             sent += (b1 - b0) // n if rank == 0 else 0
@@ -668,9 +676,9 @@ def _combine(out: str, files: list[str]) -> int:
     from _two_ranks import provenance
 
     runs = [json.loads(Path(f).read_text()) for f in files]
-    same = ("rate", "size", "params", "exact_adam_steps", "settings", "target_loss")
-    for key in same:
-        if any(r[key] != runs[0][key] for r in runs):
+    same = ("rate", "size", "params", "exact_adam_steps", "settings", "target_loss", "link")
+    for key in same:  # "link": absent from the runs made before duplex.sh
+        if any(r.get(key) != runs[0].get(key) for r in runs):
             raise SystemExit(f"time_to_loss: --combine needs runs alike in {key!r}")
     budgets = [r["budget_s"] for r in runs]
     middle = runs[int(np.argsort(budgets)[len(runs) // 2])]

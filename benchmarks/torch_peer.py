@@ -1,6 +1,8 @@
 """jaxcomm against PyTorch's DDP communication hooks, kind for kind, on one shaped link.
 
-Two processes (gloo, loopback shaped with ``tc tbf``; ``benchmarks/_two_ranks.py``), each
+Two processes (gloo), each in its own network namespace, joined by a full-duplex link shaped
+with ``tc tbf`` to ``--rate`` each way (``duplex.sh`` via ``benchmarks/_two_ranks.py``; ``--topo
+lo``: one shaped loopback shared by both directions, the earlier setup), each
 running both frameworks in the same process, rounds alternating between every leg, so both
 see the same link and the same load. The model is one 4096 x 4096 fp32 weight (64 MiB of
 gradient per process), a batch of 8 rows per process, loss ``sum((x W)^2)``:
@@ -20,9 +22,10 @@ step (the communication as the user feels it), and the ratios asked: jaxcomm's P
 against torch's, and jaxcomm's best against torch's best.
 
 Needs ``torch`` next to jaxcomm in the same environment (``pip install torch``; not a jaxcomm
-dependency). Usage (root for ``unshare``/``tc``)::
+dependency). Usage (root, for duplex.sh's namespaces and ``tc``)::
 
-    python benchmarks/torch_peer.py [--rate 1gbit] [--repeats 5] [--steps 3] [--json OUT]
+    python benchmarks/torch_peer.py [--rate 1gbit] [--topo auto|lo] [--repeats 5] [--steps 3]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -210,7 +213,9 @@ def _local_jax(weight, local_x, loss):
 
 
 def _worker(args: argparse.Namespace) -> None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from _two_ranks import launcher_env
+
+    _, world, rank = launcher_env()  # torchrun's variables too, for torch's env:// start-up
     torch_legs, dist = _torch_legs(rank, world)
     jax_legs = _jax_legs(rank, world)
     legs = {**torch_legs, **jax_legs}

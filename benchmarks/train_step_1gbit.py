@@ -1,8 +1,10 @@
 """Train-step time of every jaxcomm data-parallel method at 1 Gbit/s, against exact Adam.
 
-Two processes (one CPU device each, gloo collectives over TCP) in a private network namespace
-whose loopback is shaped with ``tc tbf`` to ``--rate`` (the shared driver
-``benchmarks/_two_ranks.py``, as ``compressors_1gbit.py`` and ``sharded_1gbit.py``). Each
+Two processes (one CPU device each, gloo collectives over TCP), each in its own network
+namespace, joined by a full-duplex link shaped with ``tc tbf`` to ``--rate`` each way
+(``duplex.sh`` via the shared driver ``benchmarks/_two_ranks.py``, as ``compressors_1gbit.py``
+and ``sharded_1gbit.py``; ``--topo lo``: one shaped loopback for both directions, the earlier
+setup). Each
 process trains the same model on its own batch through ``jc.make_train_step`` (state donated
 and carried from step to step), one method after the other:
 
@@ -54,9 +56,10 @@ this was written on (1-bit Adam phased 1.44x -> 1.22x of local + wire, ``onebit_
 298 ms, with ``exact`` left out of the rounds), though a user's process runs one method. Bytes
 on the wire per device per step come from the compiled HLO (``jaxcomm.inspect.wire_bytes``).
 
-Usage (root for ``unshare``/``tc``; ``--no-shape`` runs on the unshaped loopback)::
+Usage (root, for duplex.sh's namespaces and ``tc``; ``--no-shape`` runs on the unshaped
+loopback)::
 
-    python benchmarks/train_step_1gbit.py [--model mlp|transformer] [--rate 1gbit]
+    python benchmarks/train_step_1gbit.py [--model mlp|transformer] [--rate 1gbit] [--topo auto|lo]
                                           [--repeats 5] [--methods exact,onebit_adam,...]
                                           [--bucket-bytes N] [--no-shape] [--json OUT]
 """

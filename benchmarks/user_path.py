@@ -1,10 +1,12 @@
 """The user's path at 1 Gbit/s: the README's code with default arguments, timed as users run it.
 
-Two processes (one CPU device each, gloo) on a loopback shaped with ``tc tbf`` (the shared
-driver ``benchmarks/_two_ranks.py``). Each process starts the way a user's script does:
-``import jaxcomm`` and ``jax.distributed.initialize(coordinator, num_processes, process_id)``
-called directly; JAX's default mesh (``jax.make_mesh``, Explicit axes); only public API, every
-jaxcomm argument at its default. Rows:
+Two processes (one CPU device each, gloo), each in its own network namespace, joined by a
+full-duplex link shaped with ``tc tbf`` to ``--rate`` each way (``duplex.sh``, through the shared
+driver ``benchmarks/_two_ranks.py``; ``--topo lo``: one shaped loopback, one queue for both
+directions, the half-duplex setup of the earlier results). Each process starts the way a user's
+script does: ``import jaxcomm`` and ``jax.distributed.initialize(coordinator, num_processes,
+process_id)`` called directly (from duplex.sh's ``COORD``, ``NPROC``, ``RANK``); JAX's default mesh
+(``jax.make_mesh``, Explicit axes); only public API, every jaxcomm argument at its default. Rows:
 
 * ``readme_pmean`` / ``readme_onebit``: the README's Use block (``compressed_pmean`` with
   ``jc.OneBit()`` in ``shard_map``, returning ``(mean, state)``, state donated) on 64 MiB of
@@ -26,11 +28,13 @@ Model: the MLP of ``train_step_1gbit.py`` (4 x 2048 x 2048, 16.8M fp32 parameter
 16 examples per process. Timing as a training loop runs: each round runs ``--steps`` steps of
 one method without reading a value, then waits for the last; rounds alternate the methods;
 the table gives each method's median step over ``--repeats`` rounds, slower rank, and the
-ratios asked of jaxcomm. The JSON (``--json``) records the command, versions, machine and date.
+ratios asked of jaxcomm. The JSON (``--json``) records the command, versions, machine, date and
+the link (``"link"``: duplex.sh's topology, the rate, full duplex or not).
 
-Usage (root for ``unshare``/``tc``)::
+Usage (root, for duplex.sh's namespaces and ``tc``)::
 
-    python benchmarks/user_path.py [--rate 1gbit] [--repeats 5] [--steps 4] [--json OUT]
+    python benchmarks/user_path.py [--rate 1gbit] [--topo auto|lo] [--repeats 5] [--steps 4]
+        [--json OUT]
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from jaxcomm.elastic.reshard import reshard_train_state, train_state_template
 from jaxcomm.elastic.resize import resize_state
 from jaxcomm.inspect import CommsReport, comms_report, wire_bytes_by_axes
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
-from jaxcomm.optim.demo import DemoLocal, DemoState, demo
+from jaxcomm.optim.demo import DemoLocal, DemoState, demo, scale_by_demo
 from jaxcomm.optim.diloco import diloco
 from jaxcomm.optim.diloco.state import DiLoCoLocal, DiLoCoState, diloco_params
 from jaxcomm.optim.onebit_adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
@@ -128,6 +128,7 @@ __all__ = [
     "demo",
     "onebit_adam",
     "onebit_lamb",
+    "scale_by_demo",
     "scale_by_onebit_adam",
     "scale_by_onebit_lamb",
     "zero_one_adam",

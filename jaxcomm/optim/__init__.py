@@ -13,7 +13,8 @@ One module per optimizer family (the public names are re-exported by :mod:`jaxco
   momentum with frozen, corrected trust ratios), as ``scale_by_onebit_lamb`` (the direction)
   and ``onebit_lamb``.
 * :mod:`~jaxcomm.optim.demo`: DeMo (decoupled momentum: the top DCT coefficients of
-  each device's momentum chunks all-gathered, a sign update).
+  each device's momentum chunks all-gathered, a sign update), as ``scale_by_demo`` (the
+  direction) and ``demo``.
 * :mod:`~jaxcomm.optim.sharded`: ZeRO 1-2 around any optax transformation (compressed
   reduce-scatter and all-gather).
 * :mod:`~jaxcomm.optim.diloco`: DiLoCo and Streaming DiLoCo, a package (the transformation,

@@ -3,11 +3,16 @@
 Peng, Quesnelle and Kingma, 2024, "DeMo: Decoupled Momentum Optimization" (arXiv:2411.19870),
 following the reference code (bloc97/DeMo ``demo.py``): the momentum stays on each device; only
 the largest DCT coefficients of its chunks are sent, and what was sent leaves the momentum.
+Two pieces, like :mod:`jaxcomm.optim.onebit_adam`:
+
+* :func:`scale_by_demo`: the direction ``sign(U)`` (the momentum, the messages, their
+  exchange; its steps are named functions of :mod:`jaxcomm.optim._demo_step`); it takes the
+  learning rate, which weighs the gradients in the momentum;
+* :func:`demo`: ``-lr sign(U)`` and the decoupled weight decay, in the parameters' dtype.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -16,24 +21,10 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomm._compat import all_gather_replicated, ensure_varying
-from jaxcomm.comm.axes import AxisName, axis_names, canonical_axis, split_levels
+from jaxcomm.comm.axes import AxisName, canonical_axis, split_levels
 from jaxcomm.comm.state import per_device
 from jaxcomm.compressors import keep_if
-from jaxcomm.compressors.chunks import (
-    ChunkPlan,
-    chunk_plan,
-    encode_offsets,
-    from_chunks,
-    offset_bytes,
-    pack_bits,
-    split_rows,
-    stacked_plan,
-    tile_groups,
-    to_chunks,
-    unpack_grouped_offsets,
-    wire_order,
-)
+from jaxcomm.compressors.chunks import offset_bytes
 from jaxcomm.optim._common import (
     PyTree,
     cast_like,
@@ -44,12 +35,14 @@ from jaxcomm.optim._common import (
     needs_params,
     zeros_f32,
 )
-from jaxcomm.optim._skip import count_skips
-
-_HIGHEST = lax.Precision.HIGHEST  # the DCT in true fp32 (no TF32 / bf16 passes on accelerators)
-# Leaves of fewer chunks are stacked with their tile's others (fewer, larger ops); larger
-# ones go alone, where stacking would only add a copy of them.
-_ALONE_FROM = 64
+from jaxcomm.optim._demo_step import (
+    demo_plan,
+    exchange_messages,
+    momentum_messages,
+    sign_directions,
+    tile_layout,
+)
+from jaxcomm.optim._skip import count_skips, zeros_unless
 
 
 @per_device
@@ -76,55 +69,103 @@ class DemoState(NamedTuple):
     skipped_total: jax.Array
 
 
-def dct_basis(n: int) -> np.ndarray:
-    """The orthonormal DCT-II matrix ``D`` (``n x n``, fp32): ``C = D x``, ``x = D^T C``."""
-    b, j = np.arange(n)[:, None], np.arange(n)[None, :]
-    d = np.sqrt(2.0 / n) * np.cos(np.pi * (2 * j + 1) * b / (2 * n))
-    d[0] /= np.sqrt(2.0)
-    return d.astype(np.float32)
+def scale_by_demo(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    axis_name: AxisName,
+    compression_decay: float = 0.999,
+    top_k: int = 32,
+    chunk_size: int = 64,
+    value_dtype=jnp.float32,
+    max_consecutive_skips: int | None = 16,
+) -> optax.GradientTransformation:
+    """DeMo's direction ``sign(U)`` from this device's local gradients (Peng, Quesnelle and
+    Kingma, 2024, *DeMo: Decoupled Momentum Optimization*, arXiv:2411.19870; the reference
+    code's rules, bloc97/DeMo ``demo.py``).
 
+    Per step and parameter (gradient ``g`` on this device, ``lr = learning_rate(count)``,
+    ``beta = compression_decay``):
 
-def demo_plan(shape: tuple[int, ...], chunk_size: int, top_k: int) -> ChunkPlan:
-    """The chunks of a tensor (:func:`jaxcomm.compressors.chunks.chunk_plan`) with DeMo's
-    ``k = min(top_k, h w)`` kept coefficients per chunk (the same for 2-D tiles and vectors)."""
-    plan = chunk_plan(tuple(shape), chunk_size, top_k)
-    return dataclasses.replace(plan, k=min(top_k, plan.length) if plan.size else 0)
+    1. ``m <- beta m + lr g`` (``m`` fp32, private to the device: its momentum);
+    2. ``C = DCT(m)`` chunk by chunk (:mod:`jaxcomm.compressors.chunks`: ``h x w`` tiles of up to
+       ``chunk_size x chunk_size``, chunks of up to ``chunk_size`` for vectors), the orthonormal
+       DCT-II ``D_h T D_w^T`` of each tile ``T``;
+    3. in each chunk keep the ``k = min(top_k, h w)`` coefficients of largest ``|C|`` (``top_k``
+       per chunk, whatever its size: 32 of 4096 in a 64 x 64 tile, 32 of 64 in a vector's
+       chunk; a non-finite one ranks first);
+    4. ``m <- m - IDCT(sent)``: the transmitted part leaves the momentum;
+    5. one ``all_gather`` of every device's message: the kept coefficients' offsets in their
+       chunks in the shortest of three fixed-size codes (``k`` fields of ``ceil(log2(h w))``
+       bits, an ``h w``-bit mask, or Elias-Fano; see
+       :func:`jaxcomm.compressors.chunks.index_code`), then their values in ``value_dtype``;
+    6. ``U = IDCT(S)``, ``S`` at each coefficient the mean of the values sent for it over the
+       devices that sent one (0 where none did); the direction is ``sign(U)``, fp32 and
+       identical on every device.
 
+    Steps 2-4 are ``momentum_messages``, 5 ``exchange_messages``, 6 ``sign_directions`` (of
+    :mod:`jaxcomm.optim._demo_step`). The learning rate is an argument because it weighs the
+    gradients in the momentum (step 1), so what a device sends depends on it; the step's own
+    ``-lr`` splits out exactly: :func:`demo` is ``optax.chain(jc.scale_by_demo(lr, axis_name="dp"),
+    optax.scale_by_learning_rate(lr))`` bit for bit without weight decay.
 
-def _dct(chunks: jax.Array, plan: ChunkPlan, inverse: bool = False) -> jax.Array:
-    """``D_h T D_w^T`` of every tile ``T`` of ``chunks`` ``(chunks, h w)`` (``inverse``:
-    ``D_h^T T D_w``); a vector's chunks (``h = 1``) along the chunk only."""
-    t = chunks.reshape(-1, plan.h, plan.w)
-    if plan.h > 1:
-        bh = jnp.asarray(dct_basis(plan.h))
-        t = jnp.einsum("ji,cjl->cil" if inverse else "ij,cjl->cil", bh, t, precision=_HIGHEST)
-    if plan.w > 1:
-        bw = jnp.asarray(dct_basis(plan.w))
-        t = jnp.einsum("cil,lk->cik" if inverse else "cil,kl->cik", t, bw, precision=_HIGHEST)
-    return t.reshape(chunks.shape)
+    A step whose gathered values are not finite (a NaN or Inf in any device's momentum ranks
+    first in its chunk, so it is sent) is skipped on every device: the momentum is kept, the
+    direction is zero, ``skipped`` / ``skipped_total`` count it, and more than
+    ``max_consecutive_skips`` in a row raise ``FloatingPointError``. The arguments are those of
+    :func:`demo`.
 
-
-def gather_messages(packed: jax.Array, axis_name: AxisName) -> jax.Array:
-    """Every replica's message ``packed`` (``(bytes,)`` uint8), stacked ``(replicas, bytes)``
-    and replicated.
-
-    One axis: an all-gather over it. A tuple of axes, slowest first: a replica is a node (a
-    group of the slow axis) whose devices hold the same message; device ``l`` of the ``L`` on
-    the fast axes sends only its ``1/L`` piece across the slow axis and the node's devices then
-    all-gather their pieces, so each device receives ``(S - 1)/L`` messages across the slow
-    link instead of ``S - 1``.
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, jaxcomm as jc
+      >>> tx = optax.chain(jc.scale_by_demo(0.1, axis_name="dp", top_k=2),
+      ...                  optax.scale_by_learning_rate(0.1))
+      >>> params = {"w": jnp.ones(4)}
+      >>> state = jax.vmap(lambda _: tx.init(params), axis_name="dp")(jnp.zeros(2))
+      >>> grads = {"w": jnp.array([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 3.0]])}
+      >>> updates, state = jax.vmap(lambda g, s: tx.update(g, s), axis_name="dp")(grads, state)
+      >>> [round(float(u), 6) for u in updates["w"][0]]  # -lr sign(U), the same on both
+      [-0.1, -0.1, -0.1, -0.1]
     """
-    slow, fast = split_levels(axis_name)
-    if not fast:
-        return all_gather_replicated(ensure_varying(packed, slow), slow)
-    size = packed.shape[0]
-    pieces = int(lax.axis_size(fast))
-    width = -(-size // pieces)
-    rows = jnp.pad(packed, (0, pieces * width - size)).reshape(pieces, width)
-    mine = rows[lax.axis_index(fast)]
-    across = all_gather_replicated(ensure_varying(mine, axis_names(axis_name)), slow)  # (S, c)
-    nodes = all_gather_replicated(ensure_varying(across, fast), fast)  # (L, S, c)
-    return nodes.transpose(1, 0, 2).reshape(across.shape[0], pieces * width)[:, :size]
+    top_k, chunk_size, wire = check_settings(top_k, chunk_size, compression_decay, value_dtype)
+    axis_name = canonical_axis(axis_name)
+    _, fast = split_levels(axis_name)
+
+    def init_fn(params):
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+            if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+                raise ValueError(
+                    f"jaxcomm: demo needs floating-point parameters, got {jnp.result_type(x)} "
+                    f"at {jax.tree_util.keystr(path) or '(the root)'}"
+                )
+        count, skipped, total = (jnp.zeros([], jnp.int32) for _ in range(3))
+        return DemoState(count, DemoLocal(zeros_f32(params)), skipped, total)
+
+    def update_fn(updates, state, params=None):
+        del params
+        lr = learning_rate_at(learning_rate, state.count)
+        beta = jnp.asarray(compression_decay, jnp.float32)
+        grads, treedef = jax.tree.flatten(f32(updates))
+        if fast:  # a replica is a node: the exact mean of its devices' gradients
+            grads = lax.pmean(grads, fast)
+        mus = treedef.flatten_up_to(state.local.mu)
+        ms = [beta * mu.reshape(-1) + lr * g.reshape(-1) for g, mu in zip(grads, mus, strict=True)]
+        layout = tile_layout([jnp.shape(g) for g in grads], chunk_size, top_k)
+        messages, new_mus = momentum_messages(ms, layout, wire)
+        new_mus = [m.reshape(mu.shape) for m, mu in zip(new_mus, mus, strict=True)]
+        parts, values, ok = exchange_messages(messages, layout.plans, axis_name, wire)
+        directions = sign_directions(parts, values, layout, grads)
+        mu = keep_if(ok, treedef.unflatten(new_mus), state.local.mu)
+        skipped, skipped_total = count_skips(
+            ok, state.skipped, state.skipped_total, max_consecutive_skips, "demo"
+        )
+        new_state = DemoState(
+            jnp.where(ok, optax.safe_increment(state.count), state.count),
+            DemoLocal(mu),
+            skipped,
+            skipped_total,
+        )
+        return zeros_unless(ok, treedef.unflatten(directions)), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
 def demo(
@@ -142,28 +183,14 @@ def demo(
     arXiv:2411.19870) over this device's local gradients, with the reference code's rules
     (bloc97/DeMo ``demo.py``).
 
-    Per step and parameter ``p`` (gradient ``g`` on this device, ``lr = learning_rate(count)``,
-    ``beta = compression_decay``, ``wd = weight_decay``):
-
-    1. ``p <- p (1 - lr wd)``;
-    2. ``m <- beta m + lr g`` (``m`` fp32, private to the device: its momentum);
-    3. ``C = DCT(m)`` chunk by chunk (:mod:`jaxcomm.compressors.chunks`: ``h x w`` tiles of up to
-       ``chunk_size x chunk_size``, chunks of up to ``chunk_size`` for vectors), the orthonormal
-       DCT-II ``D_h T D_w^T`` of each tile ``T``;
-    4. in each chunk keep the ``k = min(top_k, h w)`` coefficients of largest ``|C|`` (``top_k``
-       per chunk, whatever its size: 32 of 4096 in a 64 x 64 tile, 32 of 64 in a vector's
-       chunk; a non-finite one ranks first);
-    5. ``m <- m - IDCT(sent)``: the transmitted part leaves the momentum;
-    6. one ``all_gather`` of every device's message: the kept coefficients' offsets in their
-       chunks in the shortest of three fixed-size codes (``k`` fields of ``ceil(log2(h w))``
-       bits, an ``h w``-bit mask, or Elias-Fano; see
-       :func:`jaxcomm.compressors.chunks.index_code`), then their values in ``value_dtype``;
-    7. ``U = IDCT(S)``, ``S`` at each coefficient the mean of the values sent for it over the
-       devices that sent one (0 where none did), and ``p <- p - lr sign(U)``.
-
-    The returned optax update is ``-lr wd p - lr sign(U)`` in each parameter's dtype (bf16
-    parameters get bf16 updates; the momentum stays fp32). ``U`` and the update are identical
-    on every device.
+    :func:`scale_by_demo`'s direction ``sign(U)`` (see there: the momentum ``m <- beta m + lr
+    g``, its top DCT coefficients per chunk all-gathered), then the step: per parameter ``p``
+    (``wd = weight_decay``) ``p <- p (1 - lr wd) - lr sign(U)``. The returned optax update is
+    ``-(lr sign(U) + (wd lr) p)`` in each parameter's dtype (bf16 parameters get bf16 updates;
+    the momentum stays fp32), identical on every device; a skipped step's is zero (no weight
+    decay either). Without weight decay it is ``optax.scale_by_learning_rate(lr)`` after the
+    direction, bit for bit; with it, the reference's order ``(wd lr) p`` rounds differently
+    from ``optax.add_decayed_weights(wd)`` before that scale (``lr (sign(U) + wd p)``).
 
     Wire (measured from the compiled HLO in the tests): in a 64 x 64 tile at ``top_k=32`` the
     offsets take 288 bits (Elias-Fano), so a kept value costs 9 bits plus its value, **5.125
@@ -175,11 +202,6 @@ def demo(
     coefficients (half, at the defaults: a 64-bit mask and 32 values, 4.25 bytes a value in
     fp32) and save little.
 
-    A step whose gathered values are not finite (a NaN or Inf in any device's momentum ranks
-    first in its chunk, so it is sent) is skipped on every device: the momentum is kept, the
-    update is zero (no weight decay either), ``skipped`` / ``skipped_total`` count it, and more
-    than ``max_consecutive_skips`` in a row raise ``FloatingPointError``.
-
     Defaults (``top_k=32``, ``chunk_size=64``, ``compression_decay=0.999``) are the reference
     code's and the setting the README's pick table measured, with ``learning_rate=3e-3``
     (chosen over 3e-4, 1e-3 and 3e-3 on the byte-level LM of ``benchmarks/time_to_loss.py``:
@@ -188,19 +210,6 @@ def demo(
     Use it like any optax optimizer inside ``jc.make_train_step(mesh, "dp", loss_fn,
     jc.demo(3e-3, axis_name="dp"), params)``; with ``optax.inject_hyperparams`` pass
     ``static_args=("top_k", "chunk_size", "value_dtype")``.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp, jaxcomm as jc
-      >>> tx = jc.demo(0.1, axis_name="dp", top_k=2)
-      >>> params = {"w": jnp.ones(4)}
-      >>> state = jax.vmap(lambda _: tx.init(params), axis_name="dp")(jnp.zeros(2))
-      >>> grads = {"w": jnp.array([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 3.0]])}
-      >>> updates, state = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="dp")(
-      ...     grads, state)
-      >>> [round(float(u), 6) for u in updates["w"][0]]  # -lr sign(U), the same on both
-      [-0.1, -0.1, -0.1, -0.1]
-      >>> state.local.mu["w"].shape  # each device's own momentum: what it did not send
-      (2, 4)
 
     Args:
       learning_rate: a float or an optax schedule of the step count.
@@ -221,7 +230,48 @@ def demo(
     Returns:
       An ``optax.GradientTransformation`` whose state is a :class:`DemoState`; its ``local``
       momentum is per device, the rest replicated. Parameters stay replicated.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxcomm as jc
+      >>> tx = jc.demo(0.1, axis_name="dp", top_k=2)
+      >>> params = {"w": jnp.ones(4)}
+      >>> state = jax.vmap(lambda _: tx.init(params), axis_name="dp")(jnp.zeros(2))
+      >>> grads = {"w": jnp.array([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 3.0]])}
+      >>> updates, state = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="dp")(
+      ...     grads, state)
+      >>> [round(float(u), 6) for u in updates["w"][0]]  # -lr sign(U), the same on both
+      [-0.1, -0.1, -0.1, -0.1]
+      >>> state.local.mu["w"].shape  # each device's own momentum: what it did not send
+      (2, 4)
     """
+    check_static_range("demo", "weight_decay", weight_decay, 0.0)
+    direction = scale_by_demo(
+        learning_rate,
+        axis_name=axis_name,
+        compression_decay=compression_decay,
+        top_k=top_k,
+        chunk_size=chunk_size,
+        value_dtype=value_dtype,
+        max_consecutive_skips=max_consecutive_skips,
+    )
+
+    def update_fn(updates, state, params=None):
+        needs_params(params, weight_decay, "demo")
+        d, new_state = direction.update(updates, state, params)
+        lr = learning_rate_at(learning_rate, state.count)
+        out = jax.tree.map(lambda x: lr * x, d)
+        if params is not None and not is_static_zero(weight_decay):
+            decay = jnp.asarray(weight_decay, jnp.float32) * lr
+            out = jax.tree.map(lambda o, p: o + decay * p, out, f32(params))
+        applied = new_state.skipped == 0  # a skipped step moves nothing, not even weight decay
+        out = jax.tree.map(lambda o: jnp.where(applied, -o, jnp.zeros_like(o)), out)
+        return cast_like(out, updates if params is None else params), new_state
+
+    return optax.GradientTransformation(direction.init, update_fn)
+
+
+def check_settings(top_k, chunk_size, compression_decay, value_dtype) -> tuple[int, int, np.dtype]:
+    """``(top_k, chunk_size, the wire's value dtype)``, checked; one sentence if not."""
 
     def bad(what):
         raise ValueError(f"jaxcomm: demo {what}")
@@ -235,121 +285,10 @@ def demo(
     ):
         bad(f"chunk_size must be an int in [1, 64], got {chunk_size!r}")
     check_static_range("demo", "compression_decay", compression_decay, 0.0, 1.0, high_open=True)
-    check_static_range("demo", "weight_decay", weight_decay, 0.0)
     wire = np.dtype(value_dtype)
     if wire not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
         bad(f"value_dtype must be float32, bfloat16 or float16, got {value_dtype!r}")
-    top_k, chunk_size = int(top_k), int(chunk_size)
-    axis_name = canonical_axis(axis_name)
-    _, fast = split_levels(axis_name)
-
-    def init_fn(params):
-        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-            if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-                bad(
-                    f"needs floating-point parameters, got {jnp.result_type(x)} at "
-                    f"{jax.tree_util.keystr(path) or '(the root)'}"
-                )
-        count, skipped, total = (jnp.zeros([], jnp.int32) for _ in range(3))
-        return DemoState(count, DemoLocal(zeros_f32(params)), skipped, total)
-
-    def update_fn(updates, state, params=None):
-        needs_params(params, weight_decay, "demo")
-        lr = learning_rate_at(learning_rate, state.count)
-        beta = jnp.asarray(compression_decay, jnp.float32)
-        grads, treedef = jax.tree.flatten(f32(updates))
-        if fast:  # a replica is a node: the exact mean of its devices' gradients
-            grads = lax.pmean(grads, fast)
-        mus = treedef.flatten_up_to(state.local.mu)
-        plans = [demo_plan(jnp.shape(g), chunk_size, top_k) for g in grads]
-
-        # 2-5: this device's momentum, its kept coefficients, what it keeps; leaves with the
-        # same tile go through the DCT, top-k and coding as one stack of chunks.
-        ms = [beta * mu.reshape(-1) + lr * g.reshape(-1) for g, mu in zip(grads, mus, strict=True)]
-        groups = tile_groups(plans, alone_from=_ALONE_FROM)
-        group_plans = [stacked_plan([plans[i] for i in members]) for members in groups]
-        group_rows = [split_rows(members, plans) for members in groups]
-        leaf_bits, leaf_values, leaf_sent = {}, {}, {}
-        for members, plan, rows_of in zip(groups, group_plans, group_rows, strict=True):
-            coeffs = _dct(jnp.concatenate([to_chunks(ms[i], plans[i]) for i in members]), plan)
-            key = jnp.where(jnp.isfinite(coeffs), jnp.abs(coeffs), jnp.inf)
-            idx = wire_order(lax.top_k(key, plan.k)[1], plan)
-            kept = jnp.take_along_axis(coeffs, idx, axis=-1).astype(wire)
-            rows = jnp.arange(plan.chunks)[:, None]
-            sent = jnp.zeros_like(coeffs).at[rows, idx].set(kept.astype(jnp.float32))
-            sent = _dct(sent, plan, inverse=True)
-            bits = encode_offsets(idx, plan).reshape(plan.chunks, -1)
-            for i, rows_i in zip(members, rows_of, strict=True):
-                leaf_bits[i], leaf_values[i] = bits[rows_i], kept[rows_i].reshape(-1)
-                leaf_sent[i] = sent[rows_i]
-        new_mus = [
-            (m - from_chunks(leaf_sent[i], plans[i]) if i in leaf_sent else m).reshape(mu.shape)
-            for i, (m, mu) in enumerate(zip(ms, mus, strict=True))
-        ]
-
-        # 6: one all-gather of [offset bits | values] (uint8), leaf by leaf.
-        total = sum(p.kept for p in plans)
-        n = 1
-        if total:
-            order = sorted(leaf_bits)
-            packed = jnp.concatenate(
-                [
-                    pack_bits(jnp.concatenate([leaf_bits[i].reshape(-1) for i in order])),
-                    lax.bitcast_convert_type(
-                        jnp.concatenate([leaf_values[i] for i in order]), jnp.uint8
-                    ).reshape(-1),
-                ]
-            )
-            parts = gather_messages(packed, axis_name)
-            n = parts.shape[0]
-            raw = parts[:, offset_bytes(plans) :].reshape(n, total, wire.itemsize)
-            all_values = lax.bitcast_convert_type(raw, wire).astype(jnp.float32)
-            ok = jnp.isfinite(jnp.sum(all_values))
-        else:
-            ok = jnp.ones([], jnp.bool_)
-
-        # 7: scatter-mean over contributors in DCT space, inverse DCT, sign (by tile group).
-        directions = [jnp.zeros_like(g) for g in grads]
-        if total:
-            group_offsets = unpack_grouped_offsets(parts, plans, groups)
-            starts = np.cumsum([0] + [p.kept for p in plans])
-            for members, plan, rows_of, off in zip(
-                groups, group_plans, group_rows, group_offsets, strict=True
-            ):
-                val = jnp.concatenate(
-                    [all_values[:, starts[i] : starts[i + 1]] for i in members], axis=1
-                ).reshape(-1)
-                flat = (jnp.arange(plan.chunks)[:, None] * plan.length + off).reshape(-1)
-                size = plan.chunks * plan.length
-                sums = jnp.zeros((size,), jnp.float32).at[flat].add(val)
-                count = jnp.zeros((size,), jnp.float32).at[flat].add(1.0)
-                mean = (sums / jnp.maximum(count, 1.0)).reshape(plan.chunks, plan.length)
-                u = _dct(mean, plan, inverse=True)
-                for i, rows_i in zip(members, rows_of, strict=True):
-                    directions[i] = jnp.sign(from_chunks(u[rows_i], plans[i])).reshape(
-                        grads[i].shape
-                    )
-
-        out = [lr * d for d in directions]
-        if params is not None and not is_static_zero(weight_decay):
-            decay = jnp.asarray(weight_decay, jnp.float32) * lr
-            flat_params = treedef.flatten_up_to(f32(params))
-            out = [o + decay * p for o, p in zip(out, flat_params, strict=True)]
-        out = [jnp.where(ok, -o, jnp.zeros_like(o)) for o in out]
-        mu = keep_if(ok, treedef.unflatten(new_mus), state.local.mu)
-        skipped, skipped_total = count_skips(
-            ok, state.skipped, state.skipped_total, max_consecutive_skips, "demo"
-        )
-        new_state = DemoState(
-            jnp.where(ok, optax.safe_increment(state.count), state.count),
-            DemoLocal(mu),
-            skipped,
-            skipped_total,
-        )
-        like = updates if params is None else params
-        return cast_like(treedef.unflatten(out), like), new_state
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    return int(top_k), int(chunk_size), wire
 
 
 def message_bytes(shapes, *, top_k: int = 32, chunk_size: int = 64, value_dtype=jnp.float32):

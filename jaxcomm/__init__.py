@@ -46,7 +46,12 @@ from jaxcomm.optim.onebit_adam import OneBitAdamState, onebit_adam, scale_by_one
 from jaxcomm.optim.onebit_lamb import OneBitLambState, onebit_lamb, scale_by_onebit_lamb
 from jaxcomm.optim.schedule import phase, phase_cond, phase_switch
 from jaxcomm.optim.sharded import ShardedState, sharded
-from jaxcomm.optim.zero_one_adam import LocalState, ZeroOneAdamState, zero_one_adam
+from jaxcomm.optim.zero_one_adam import (
+    LocalState,
+    ZeroOneAdamState,
+    scale_by_zero_one_adam,
+    zero_one_adam,
+)
 from jaxcomm.runtime import DistributedInfo, configure_host_allocator, init_distributed, xla_flags
 from jaxcomm.runtime.host_allocator import apply_default as _apply_host_allocator_default
 from jaxcomm.runtime.host_links import SyncError
@@ -131,6 +136,7 @@ __all__ = [
     "scale_by_demo",
     "scale_by_onebit_adam",
     "scale_by_onebit_lamb",
+    "scale_by_zero_one_adam",
     "zero_one_adam",
     # data parallel (the per-device registry lives in jaxcomm.comm.state)
     "TrainState",

@@ -8,7 +8,8 @@ One module per optimizer family (the public names are re-exported by :mod:`jaxco
 * :mod:`~jaxcomm.optim.onebit_adam`: DeepSpeed's 1-bit Adam (exact warm-up, then 1-bit
   momentum all-reduce), as ``scale_by_onebit_adam`` (the direction) and ``onebit_adam``.
 * :mod:`~jaxcomm.optim.zero_one_adam`: DeepSpeed's 0/1 Adam (adaptive variance freezing and
-  local steps).
+  local steps), as ``scale_by_zero_one_adam`` (the fp32 parameter change, the learning rate
+  inside) and ``zero_one_adam``.
 * :mod:`~jaxcomm.optim.onebit_lamb`: DeepSpeed's 1-bit LAMB (exact LAMB warm-up, then 1-bit
   momentum with frozen, corrected trust ratios), as ``scale_by_onebit_lamb`` (the direction)
   and ``onebit_lamb``.

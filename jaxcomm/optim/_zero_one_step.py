@@ -1,10 +1,12 @@
-"""One update of 0/1 Adam (:func:`jaxcomm.optim.zero_one_adam.zero_one_adam`) besides its state:
-the four kinds of step (variance update, 1-bit momentum, local step, synchronisation), the
-communication each needs and DeepSpeed's interval policies."""
+"""One update of 0/1 Adam (:func:`jaxcomm.optim.zero_one_adam.scale_by_zero_one_adam`) besides
+its state: which kind of step it is (:func:`step_kind`), the communication each kind needs
+(:func:`var_update`, :func:`onebit_momentum`, :func:`local_step`, :func:`local_step_sync`), what
+it does to each leaf (:meth:`ZeroOneStep.apply_leaf`) and DeepSpeed's interval policies."""
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,7 @@ from jaxcomm.compressors import Compressor
 from jaxcomm.optim._common import PyTree, compressed_mean_call, exact_mean
 from jaxcomm.optim._moments import damped_denominator, ema
 from jaxcomm.optim._skip import all_finite, mean_finite
-from jaxcomm.optim.schedule import phase_switch
+from jaxcomm.optim.schedule import phase, phase_switch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,58 +82,17 @@ class ZeroOneStep:
 
     def communicate(self, kind, g, mu, nu, u, comm):
         """The mean each kind of step needs, the new error feedback and whether the mean is
-        finite (``lax.switch``).
+        finite: :func:`var_update`, :func:`onebit_momentum`, :func:`local_step` or
+        :func:`local_step_sync` by ``kind`` (``lax.switch``, or the one branch of a
+        phase-specialised step).
 
         Only the communication is in the switch: state that passes through a ``lax.cond`` or
         ``lax.switch`` and is read after it is copied by XLA in every branch, so the moments,
         the accumulated updates and the parameters are updated after it (:meth:`apply_leaf`),
-        elementwise in their own buffers. A local step (kind 2) sends nothing and returns
-        zeros.
+        elementwise in their own buffers.
         """
-
-        def var_update(g, mu, nu, u, comm):
-            """Variance stage, ``t % var_interval == 0``: the exact mean gradient."""
-            mean = exact_mean(g, self.axis_name, self.bucket_bytes)
-            return mean, comm, ensure_varying(all_finite(mean), self.axis_name)
-
-        def onebit_momentum(g, mu, nu, u, comm):
-            """Variance stage, other steps: the 1-bit mean of the gradients, or with
-            ``compress_momentum`` of the local momenta ``b1 m + (1-b1) g_r`` (divided by the
-            denominator with ``precondition``)."""
-            x = ema(mu, g, self.b1) if self.compress_momentum else g
-            if self.precondition:
-                x = jax.tree.map(lambda a, d: a / d, x, self.denoms(nu))
-            return self.onebit_mean(x, comm)
-
-        def local_step(g, mu, nu, u, comm):
-            """Frozen stage, no synchronisation: nothing to send (zeros, replicated like the
-            means of the other kinds)."""
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), g)
-            return zeros, comm, ensure_varying(jnp.bool_(True), self.axis_name)
-
-        def local_step_sync(g, mu, nu, u, comm):
-            """Frozen stage, ``t % local_interval == 0``: the 1-bit mean of the accumulated
-            updates (times the denominator unless ``precondition``)."""
-            _, _, u = self.local_accumulated(g, mu, nu, u)
-            # Zero the error feedback at the variance freeze (the first frozen step is always
-            # a synchronisation: local_interval is still 1 then).
-            first = self.t == self.var_freeze_step + 1
-            comm = jax.tree.map(lambda e: jnp.where(first, jnp.zeros_like(e), e), comm)
-            if not self.precondition:  # DeepSpeed compresses u * denom
-                u = jax.tree.map(lambda a, d: a * d, u, self.denoms(nu))
-            return self.onebit_mean(u, comm)
-
-        def shaped_like_g(branch):
-            """The branch, its mean shaped like the gradients (a mean of blocks is blocks)."""
-
-            def run(g, mu, nu, u, comm):
-                mean, comm, ok = branch(g, mu, nu, u, comm)
-                return jax.tree.map(lambda m, x: m.reshape(x.shape), mean, g), comm, ok
-
-            return run
-
         branches = (var_update, onebit_momentum, local_step, local_step_sync)
-        branches = tuple(shaped_like_g(b) for b in branches)
+        branches = tuple(shaped_like_g(partial(b, self)) for b in branches)
         return phase_switch(kind, branches, g, mu, nu, u, comm)
 
     def denoms(self, nu: PyTree) -> PyTree:
@@ -181,6 +142,64 @@ class ZeroOneStep:
             jnp.where(ok, new_u, u),
             jnp.where(ok, delta, jnp.zeros_like(delta)),
         )
+
+
+def step_kind(t: jax.Array, state, var_freeze_step) -> tuple[jax.Array | int, jax.Array, jax.Array]:
+    """``(kind, frozen, var_step)`` of update ``t`` (1-based) of a ``ZeroOneAdamState``: kind 0
+    a variance update (``t % var_interval == 0`` before the freeze), 1 a 1-bit momentum step
+    (the other steps before it), 2 a local step (after it), 3 a synchronisation (``t %
+    local_interval == 0`` after it); ``kind`` is a Python int in a phase-specialised step."""
+    frozen = t > var_freeze_step
+    var_step = (t % state.var_interval) == 0
+    sync = (t % state.local_interval) == 0
+    kind = jnp.where(frozen, jnp.where(sync, 3, 2), jnp.where(var_step, 0, 1)).astype(jnp.int32)
+    return phase(kind, 4), frozen, var_step
+
+
+def var_update(step: ZeroOneStep, g, mu, nu, u, comm):
+    """Kind 0, variance stage, ``t % var_interval == 0``: the exact mean gradient."""
+    mean = exact_mean(g, step.axis_name, step.bucket_bytes)
+    return mean, comm, ensure_varying(all_finite(mean), step.axis_name)
+
+
+def onebit_momentum(step: ZeroOneStep, g, mu, nu, u, comm):
+    """Kind 1, variance stage, other steps: the 1-bit mean of the gradients, or with
+    ``compress_momentum`` of the local momenta ``b1 m + (1-b1) g_r`` (divided by the
+    denominator with ``precondition``)."""
+    x = ema(mu, g, step.b1) if step.compress_momentum else g
+    if step.precondition:
+        x = jax.tree.map(lambda a, d: a / d, x, step.denoms(nu))
+    return step.onebit_mean(x, comm)
+
+
+def local_step(step: ZeroOneStep, g, mu, nu, u, comm):
+    """Kind 2, frozen stage, no synchronisation: nothing to send (zeros, replicated like the
+    means of the other kinds)."""
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), g)
+    return zeros, comm, ensure_varying(jnp.bool_(True), step.axis_name)
+
+
+def local_step_sync(step: ZeroOneStep, g, mu, nu, u, comm):
+    """Kind 3, frozen stage, ``t % local_interval == 0``: the 1-bit mean of the accumulated
+    updates (times the denominator unless ``precondition``)."""
+    _, _, u = step.local_accumulated(g, mu, nu, u)
+    # Zero the error feedback at the variance freeze (the first frozen step is always a
+    # synchronisation: local_interval is still 1 then).
+    first = step.t == step.var_freeze_step + 1
+    comm = jax.tree.map(lambda e: jnp.where(first, jnp.zeros_like(e), e), comm)
+    if not step.precondition:  # DeepSpeed compresses u * denom
+        u = jax.tree.map(lambda a, d: a * d, u, step.denoms(nu))
+    return step.onebit_mean(u, comm)
+
+
+def shaped_like_g(branch):
+    """The branch, its mean shaped like the gradients (a mean of blocks is blocks)."""
+
+    def run(g, mu, nu, u, comm):
+        mean, comm, ok = branch(g, mu, nu, u, comm)
+        return jax.tree.map(lambda m, x: m.reshape(x.shape), mean, g), comm, ok
+
+    return run
 
 
 def by_kind(kind: jax.Array, values) -> jax.Array:

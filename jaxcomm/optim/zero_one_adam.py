@@ -1,13 +1,18 @@
 """DeepSpeed's 0/1 Adam: adaptive variance freezing and 1-bit synchronisation of local steps.
 
 Lu et al., 2022, "Maximizing Communication Efficiency for Large-scale Training via 0/1 Adam"
-(arXiv:2202.06009).
+(arXiv:2202.06009). Two pieces, in the shape of :mod:`jaxcomm.optim.onebit_adam`:
 
-One block, not a ``scale_by_*`` chain: a synchronisation step un-does the local parameter
-updates of the last interval and applies their 1-bit mean, and both are sums of
-``lr * update`` over the interval (``u`` and ``lrs``); the learning rate is therefore inside
-the algorithm, not a scale applied after it. The four kinds of step and the interval policies
-are in :mod:`jaxcomm.optim._zero_one_step`; the skip of a non-finite step in ``_skip``.
+* :func:`scale_by_zero_one_adam`: the parameter change of a step, fp32 (the communication, the
+  moments, the local steps, the schedules), in one :class:`ZeroOneAdamState`;
+* :func:`zero_one_adam`: that change in each parameter's dtype.
+
+The learning rate cannot be split out of the first: a synchronisation step un-does the local
+parameter updates of the last interval and applies their 1-bit mean, and both are sums of
+``lr * update`` over the interval (``u`` and ``lrs``). The kind of each step
+(:func:`jaxcomm.optim._zero_one_step.step_kind`), what each kind communicates and does, and
+the interval policies are named functions of :mod:`jaxcomm.optim._zero_one_step`; the skip of a
+non-finite step is in ``_skip``.
 """
 
 from __future__ import annotations
@@ -37,8 +42,7 @@ from jaxcomm.optim._common import (
 )
 from jaxcomm.optim._moments import ema
 from jaxcomm.optim._skip import all_finite, count_skips, keep_error_feedback, on_every_device
-from jaxcomm.optim._zero_one_step import ZeroOneStep, intervals
-from jaxcomm.optim.schedule import phase
+from jaxcomm.optim._zero_one_step import ZeroOneStep, intervals, step_kind
 
 
 @per_device(_blocks=True)
@@ -58,7 +62,8 @@ class LocalState(NamedTuple):
 
 @per_device(params=True)
 class ZeroOneAdamState(NamedTuple):
-    """State of :func:`zero_one_adam`. Scalars are replicated int32/fp32.
+    """State of :func:`scale_by_zero_one_adam` and :func:`zero_one_adam`. Scalars are
+    replicated int32/fp32.
 
     Attributes:
       count: updates done so far.
@@ -124,7 +129,7 @@ def schedule_for(
     return var_freeze_step, local_step_scaler
 
 
-def zero_one_adam(
+def scale_by_zero_one_adam(
     learning_rate: optax.ScalarOrSchedule = 1e-3,
     b1: float = 0.9,
     b2: float = 0.999,
@@ -148,12 +153,7 @@ def zero_one_adam(
     interval_weighted_variance: bool | None = None,
     compress_momentum: bool | None = None,
 ) -> optax.GradientTransformation:
-    """DeepSpeed's 0/1 Adam (``ZeroOneAdam``) over local gradients.
-
-    **Parameters are per device**: after the variance freeze, devices take local steps and only
-    synchronise every ``local_interval`` steps, so their parameters differ in between (and, by
-    rounding, slightly even after). Keep one copy per device: :mod:`jaxcomm.train.layout` stacks
-    the parameters on the axis for this optimizer (it detects a :class:`ZeroOneAdamState`).
+    """0/1 Adam's parameter change from this device's local gradients, fp32, per device.
 
     With ``t = count + 1`` the 1-based step (DeepSpeed defaults in brackets):
 
@@ -171,56 +171,21 @@ def zero_one_adam(
       ``local_counter += 1``; when it reaches ``local_step_scaler`` (32678) it resets and
       ``local_interval = min(local_step_clipper (16), 2 * local_interval)``.
 
-    No bias correction (DeepSpeed reads the flag and ignores it). DeepSpeed's first ``step()``
-    only allocates buffers, so its interval checks see ``t + 1``; here ``t`` counts real updates
-    from 1. Everything else, including the shared error buffers for both 1-bit all-reduces, is
-    DeepSpeed's rule. The returned optax update is the parameter change of the step.
+    The learning rate and the weight decay are arguments (the local steps' ``lr * update`` are
+    summed in ``u``, a synchronisation divides by the summed rates): the change already holds
+    ``-lr``, and :func:`zero_one_adam` is this in the parameters' dtype, with nothing chained
+    after it. A skipped step's change is zero. The arguments are those of
+    :func:`zero_one_adam`, whose notes (per-device parameters, safe defaults) hold here too.
 
-    Run length. DeepSpeed's constants (``var_freeze_step=100000``, ``local_step_scaler=32678``)
-    are for 100k+-step runs; in a short run they never freeze. Pass ``total_steps`` and the
-    unset ones follow it (:func:`schedule_for`): ``var_freeze_step = round(0.15 total_steps)``,
-    ``local_step_scaler = round(var_freeze_step / 3)`` (DeepSpeed's ratio).
-
-    Safe defaults (``deepspeed_compat=True`` restores DeepSpeed's rules exactly, including
-    ``local_step_clipper=16``; both rule sets are tested against NumPy models), chosen on the
-    byte-level transformer LM of ``benchmarks/convergence.py`` (8 and 2 devices, the variance
-    frozen at 5-15% of 384-768 steps; the script prints the comparison):
-
-    * ``local_step_clipper = 2`` (DeepSpeed: 16), the largest interval between
-      synchronisations. Local steps cost loss in proportion to their interval and buy little
-      traffic: the exact variance updates dominate the bytes (about ``16 log2(F / 16 + 1)``
-      exact steps for a freeze at step ``F``). For runs far longer than ``F`` a larger cap
-      saves more; measure it.
-    * ``compress_momentum``: the variance stage's 1-bit steps average the local momenta
-      ``b1 m + (1-b1) g_r`` instead of the gradients (1-bit Adam's choice: the momentum's 1-bit
-      error relative to its size is far smaller than the gradient's).
-    * ``interval_weighted_variance``: a variance update stands for the ``var_interval`` steps
-      since the last one, ``v = b2^k v + (1 - b2^k) g^2`` with ``k = var_interval`` (DeepSpeed
-      weighs every update as one step, so the 16 updates of the first 16 steps, whose gradients
-      are the largest, weigh as much as the 16 of steps 64-128). ``var_updates`` then counts
-      the steps covered and ``v``'s bias correction is ``1 - b2^var_updates``.
-    * ``bias_correction`` of ``m`` by ``t`` and of ``v`` by ``var_updates`` (without it the
-      variance is ``1 - b2^var_updates`` of its value, and the steps several times Adam's); a
-      synchronisation sets ``m = -c1 u / lrs`` (the mean step in momentum space is of ``m /
-      c1``).
-    * the ``variance_floor`` of :func:`jaxcomm.onebit_adam` on every denominator (1-bit
-      momentum steps and synchronisations otherwise divide a 1-bit scale by ``~eps``).
-    * ``precondition``: the variance stage's 1-bit means carry ``x / denom`` and a
-      synchronisation averages ``u`` itself, in the space of Adam's steps, whose magnitudes are
-      even across coordinates (one 1-bit scale fits them); both are mapped back by ``denom``
-      (frozen or replicated: exact without compression).
-
-    ``axis_name`` may be a tuple of mesh axes, slowest first (``("host", "local")``): every
-    mean is then exact inside the fast axes and 1-bit only across the first
-    (:mod:`jaxcomm.comm.two_level`), and the local steps run on every device as on one axis.
-
-    A non-finite step on any device is skipped on all of them (one int32 ``pmin`` per step, so
-    that local steps stay in step), counted in ``skipped``/``skipped_total``, and more than
-    ``max_consecutive_skips`` in a row raise.
-
-    Returns:
-      An ``optax.GradientTransformation`` whose state is a :class:`ZeroOneAdamState`. ``update``
-      needs ``params`` when ``weight_decay`` is non-zero.
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxcomm as jc
+      >>> tx = jc.scale_by_zero_one_adam(1e-3, axis_name="dp", total_steps=100, axis_size=2)
+      >>> params = {"w": jnp.ones(4)}
+      >>> state = jax.vmap(lambda _: tx.init(params), axis_name="dp")(jnp.zeros(2))
+      >>> step = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="dp")
+      >>> updates, state = step({"w": jnp.ones((2, 4))}, state)  # a variance update: exact
+      >>> [round(float(u), 6) for u in updates["w"][0]]  # -lr m_hat / (sqrt(v_hat) + eps)
+      [-0.001, -0.001, -0.001, -0.001]
     """
     compressor = OneBit() if compressor is None else compressor
     check_compressor(compressor)
@@ -241,6 +206,7 @@ def zero_one_adam(
         interval_weighted_variance = not deepspeed_compat
 
     axis_name = canonical_axis(axis_name)
+
     def init_fn(params):
         n = resolve_axis_size(axis_name, axis_size)
         zeros = zeros_f32(params)
@@ -265,8 +231,7 @@ def zero_one_adam(
     def update_fn(updates, state, params=None):
         needs_params(params, weight_decay, "zero_one_adam")
         t = optax.safe_increment(state.count)
-        frozen = t > var_freeze_step
-        var_step = (t % state.var_interval) == 0
+        kind, frozen, var_step = step_kind(t, state, var_freeze_step)
         b1_, b2_ = jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32)
         # Steps covered by nu's updates: one each, or var_interval each (interval-weighted).
         weight = state.var_interval if interval_weighted_variance else 1
@@ -298,9 +263,6 @@ def zero_one_adam(
             compressor=compressor,
             bucket_bytes=bucket_bytes,
         )
-        sync = (t % state.local_interval) == 0
-        kind = jnp.where(frozen, jnp.where(sync, 3, 2), jnp.where(var_step, 0, 1)).astype(jnp.int32)
-        kind = phase(kind, 4)  # a Python int in a phase-specialised step (jaxcomm.optim.schedule)
         g = f32(updates)
         mu, u = varying(state.local.mu, axis_name), varying(state.local.u, axis_name)
         mean, comm, mean_ok = step.communicate(kind, g, mu, state.nu, u, state.comm)
@@ -353,6 +315,134 @@ def zero_one_adam(
             skipped_total=candidate.skipped_total,
         )
         new_state = keep_if(ok, candidate, old_scalars)
-        return cast_like(delta, updates if params is None else params), new_state
+        return delta, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def zero_one_adam(
+    learning_rate: optax.ScalarOrSchedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    var_freeze_step: int | None = None,
+    var_update_scaler: int = 16,
+    local_step_scaler: int | None = None,
+    local_step_clipper: int | None = None,
+    *,
+    axis_name: AxisName,
+    total_steps: int | None = None,
+    compressor: Compressor | None = None,
+    bucket_bytes: int | None = None,
+    axis_size: int | None = None,
+    bias_correction: bool | None = None,
+    variance_floor: float | None = 0.1,
+    deepspeed_compat: bool = False,
+    max_consecutive_skips: int | None = 16,
+    precondition: bool | None = None,
+    interval_weighted_variance: bool | None = None,
+    compress_momentum: bool | None = None,
+) -> optax.GradientTransformation:
+    """DeepSpeed's 0/1 Adam (``ZeroOneAdam``) over local gradients.
+
+    **Parameters are per device**: after the variance freeze, devices take local steps and only
+    synchronise every ``local_interval`` steps, so their parameters differ in between (and, by
+    rounding, slightly even after). Keep one copy per device: :mod:`jaxcomm.train.layout` stacks
+    the parameters on the axis for this optimizer (it detects a :class:`ZeroOneAdamState`).
+
+    The rules of each step are :func:`scale_by_zero_one_adam`'s (see there); the returned optax
+    update is its parameter change in each parameter's dtype. The learning rate (and the weight
+    decay) stay inside: the local steps' ``lr * update`` are summed in ``u`` and a
+    synchronisation divides by the summed rates, so no ``scale_by_learning_rate`` follows.
+
+    No bias correction (DeepSpeed reads the flag and ignores it). DeepSpeed's first ``step()``
+    only allocates buffers, so its interval checks see ``t + 1``; here ``t`` counts real updates
+    from 1. Everything else, including the shared error buffers for both 1-bit all-reduces, is
+    DeepSpeed's rule. The returned optax update is the parameter change of the step.
+
+    Run length. DeepSpeed's constants (``var_freeze_step=100000``, ``local_step_scaler=32678``)
+    are for 100k+-step runs; in a short run they never freeze. Pass ``total_steps`` and the
+    unset ones follow it (:func:`schedule_for`): ``var_freeze_step = round(0.15 total_steps)``,
+    ``local_step_scaler = round(var_freeze_step / 3)`` (DeepSpeed's ratio).
+
+    Safe defaults (``deepspeed_compat=True`` restores DeepSpeed's rules exactly, including
+    ``local_step_clipper=16``; both rule sets are tested against NumPy models), chosen on the
+    byte-level transformer LM of ``benchmarks/convergence.py`` (8 and 2 devices, the variance
+    frozen at 5-15% of 384-768 steps; the script prints the comparison):
+
+    * ``local_step_clipper = 2`` (DeepSpeed: 16), the largest interval between
+      synchronisations. Local steps cost loss in proportion to their interval and buy little
+      traffic: the exact variance updates dominate the bytes (about ``16 log2(F / 16 + 1)``
+      exact steps for a freeze at step ``F``). For runs far longer than ``F`` a larger cap
+      saves more; measure it.
+    * ``compress_momentum``: the variance stage's 1-bit steps average the local momenta
+      ``b1 m + (1-b1) g_r`` instead of the gradients (1-bit Adam's choice: the momentum's 1-bit
+      error relative to its size is far smaller than the gradient's).
+    * ``interval_weighted_variance``: a variance update stands for the ``var_interval`` steps
+      since the last one, ``v = b2^k v + (1 - b2^k) g^2`` with ``k = var_interval`` (DeepSpeed
+      weighs every update as one step, so the 16 updates of the first 16 steps, whose gradients
+      are the largest, weigh as much as the 16 of steps 64-128). ``var_updates`` then counts
+      the steps covered and ``v``'s bias correction is ``1 - b2^var_updates``.
+    * ``bias_correction`` of ``m`` by ``t`` and of ``v`` by ``var_updates`` (without it the
+      variance is ``1 - b2^var_updates`` of its value, and the steps several times Adam's); a
+      synchronisation sets ``m = -c1 u / lrs`` (the mean step in momentum space is of ``m /
+      c1``).
+    * the ``variance_floor`` of :func:`jaxcomm.onebit_adam` on every denominator (1-bit
+      momentum steps and synchronisations otherwise divide a 1-bit scale by ``~eps``).
+    * ``precondition``: the variance stage's 1-bit means carry ``x / denom`` and a
+      synchronisation averages ``u`` itself, in the space of Adam's steps, whose magnitudes are
+      even across coordinates (one 1-bit scale fits them); both are mapped back by ``denom``
+      (frozen or replicated: exact without compression).
+
+    ``axis_name`` may be a tuple of mesh axes, slowest first (``("host", "local")``): every
+    mean is then exact inside the fast axes and 1-bit only across the first
+    (:mod:`jaxcomm.comm.two_level`), and the local steps run on every device as on one axis.
+
+    A non-finite step on any device is skipped on all of them (one int32 ``pmin`` per step, so
+    that local steps stay in step), counted in ``skipped``/``skipped_total``, and more than
+    ``max_consecutive_skips`` in a row raise.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxcomm as jc
+      >>> tx = jc.zero_one_adam(1e-3, axis_name="dp", total_steps=100, axis_size=2)
+      >>> params = {"w": jnp.ones(4)}
+      >>> state = jax.vmap(lambda _: tx.init(params), axis_name="dp")(jnp.zeros(2))
+      >>> step = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="dp")
+      >>> updates, state = step({"w": jnp.ones((2, 4))}, state)  # a variance update: exact
+      >>> [round(float(u), 6) for u in updates["w"][0]]
+      [-0.001, -0.001, -0.001, -0.001]
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a :class:`ZeroOneAdamState`. ``update``
+      needs ``params`` when ``weight_decay`` is non-zero.
+    """
+    tx = scale_by_zero_one_adam(
+        learning_rate,
+        b1,
+        b2,
+        eps,
+        weight_decay,
+        var_freeze_step,
+        var_update_scaler,
+        local_step_scaler,
+        local_step_clipper,
+        axis_name=axis_name,
+        total_steps=total_steps,
+        compressor=compressor,
+        bucket_bytes=bucket_bytes,
+        axis_size=axis_size,
+        bias_correction=bias_correction,
+        variance_floor=variance_floor,
+        deepspeed_compat=deepspeed_compat,
+        max_consecutive_skips=max_consecutive_skips,
+        precondition=precondition,
+        interval_weighted_variance=interval_weighted_variance,
+        compress_momentum=compress_momentum,
+    )
+
+    def update_fn(updates, state, params=None):
+        delta, new_state = tx.update(updates, state, params)
+        return cast_like(delta, updates if params is None else params), new_state
+
+    return optax.GradientTransformation(tx.init, update_fn)

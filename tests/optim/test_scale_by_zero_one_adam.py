@@ -1,0 +1,68 @@
+"""jc.scale_by_zero_one_adam, 0/1 Adam's fp32 parameter change with the learning rate inside,
+and jc.zero_one_adam, that change in the parameters' dtype: bit for bit on 8 devices of a
+shard_map, through every kind of step (variance update, 1-bit momentum, local step,
+synchronisation)."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxcomm as jc
+from tests.conftest import NUM_DEVICES
+from tests.optim.shard_map_run import assert_bitwise_equal, run_updates
+
+N = NUM_DEVICES
+SHAPES = {"w": (6, 5), "b": (5,)}
+STEPS = 10
+# Variance updates at t = 1, 2, 4 (var_interval doubles after each), a 1-bit momentum step at
+# t = 3, the freeze after t = 5 (a 1-bit step), then synchronisations and local steps as
+# local_interval doubles to 4 (syncs at t = 6, 8; local steps at 7, 9, 10).
+KW = dict(
+    axis_name="dp",
+    weight_decay=0.01,
+    var_freeze_step=5,
+    var_update_scaler=1,
+    local_step_scaler=1,
+    local_step_clipper=4,
+)
+
+
+def init_params(dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return {k: rng.normal(size=s).astype(dtype) for k, s in SHAPES.items()}
+
+
+def grad_steps(n=STEPS, seed=1):
+    rng = np.random.default_rng(seed)
+    return [
+        {k: rng.normal(size=(N, *s)).astype(np.float32) for k, s in SHAPES.items()}
+        for _ in range(n)
+    ]
+
+
+def test_zero_one_adam_is_scale_by_zero_one_adam_in_the_parameters_dtype():
+    lr = optax.linear_schedule(0.03, 0.01, STEPS)
+    steps = grad_steps()
+    want = run_updates(jc.zero_one_adam(lr, **KW), init_params(), steps, per_device_params=True)
+    piece = jc.scale_by_zero_one_adam(lr, **KW)
+    got = run_updates(piece, init_params(), steps, per_device_params=True)
+    for t, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert_bitwise_equal(b, a, f"step {t}")
+    _, params, state = want[-1]
+    assert isinstance(state, jc.ZeroOneAdamState)
+    assert int(state.count) == STEPS and int(state.local_interval) == 4
+    # Local steps happened: the devices' parameters differ after step 10 (no sync there).
+    assert not np.array_equal(params["w"][0], params["w"][1])
+
+
+def test_bf16_parameters_get_the_fp32_change_cast_once():
+    params = init_params(jnp.bfloat16)
+    steps = grad_steps(1)
+    alias = run_updates(jc.zero_one_adam(0.01, **KW), params, steps, per_device_params=True)
+    piece = jc.scale_by_zero_one_adam(0.01, **KW)
+    direct = run_updates(piece, params, steps, per_device_params=True)
+    (u_a, _, s_a), (u_p, _, s_p) = alias[0], direct[0]
+    assert all(u.dtype == jnp.bfloat16 for u in u_a.values())
+    assert all(u.dtype == np.float32 for u in u_p.values())
+    assert_bitwise_equal({k: u.astype(jnp.bfloat16) for k, u in u_p.items()}, u_a, "updates")
+    assert_bitwise_equal(s_p, s_a, "state")

@@ -50,7 +50,6 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -285,14 +284,11 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _duplex(args) -> Path | str:
-    path = Path(args.duplex) if args.duplex else REPO.parent / "shared" / "tools" / "duplex.sh"
-    if not path.is_file():
-        return f"{path} not found (pass --duplex PATH)"
-    if os.geteuid() != 0:
-        return "duplex.sh needs root (network namespaces, tc)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "ip / tc (iproute2) not installed"
-    return path
+    """duplex.sh's path, or why it cannot run here (the shared driver's checks)."""
+    from _two_ranks import duplex_path, duplex_problem
+
+    path = duplex_path(args.duplex)
+    return duplex_problem(path) or path
 
 
 def summarize(ranks: list[dict], args, duplex: Path) -> dict:

@@ -74,6 +74,7 @@ class TrainStep:
         max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
         background: BackgroundSync | None = None,
         place_abstract: Callable[[PyTree], PyTree] | None = None,
+        precompile: bool = False,
     ) -> None:
         if max_in_flight is not None and (
             isinstance(max_in_flight, bool)
@@ -88,6 +89,8 @@ class TrainStep:
         self._queued: collections.deque = collections.deque()
         self.background = background  # runs jc.diloco(background=True)'s syncs
         self._place_abstract = place_abstract  # a batch of jax.ShapeDtypeStruct, placed
+        # The background sync's programs still to compile before the first step runs.
+        self._sync_programs_pending = precompile and background is not None
 
     @property
     def phased(self) -> PhasedStep | None:
@@ -98,6 +101,9 @@ class TrainStep:
         if self.background is None:
             new_state, metrics = self._program(state, self._place(batch))
         else:
+            if self._sync_programs_pending:
+                self.background.compile_all(state)
+                self._sync_programs_pending = False
             state = self.background.before(state)
             new_state, metrics = self._program(state, self._place(batch))
             self.background.after(new_state)
@@ -143,8 +149,10 @@ class TrainStep:
         phase-specialised step compiles its probe and every phase combination its schedule
         can reach (:meth:`jaxcomm.train.phased.PhasedStep.compile_all`; ``steps``: how many
         steps the run has left, when known), which its first call otherwise does itself; a
-        single program compiles that program. Returns the combinations compiled for
-        (``[()]`` for a single program). ``compile_count`` counts the programs compiled.
+        single program compiles that program; a background DiLoCo's sync programs are
+        compiled too (:meth:`jaxcomm.optim.diloco.background.BackgroundSync.compile_all`).
+        Returns the combinations compiled for (``[()]`` for a single program).
+        ``compile_count`` counts the programs compiled.
         """
         leaves = jax.tree.leaves(batch)
         abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
@@ -156,6 +164,9 @@ class TrainStep:
                 "compiles do not reach its calls)"
             )
         placed = self._place_abstract(batch) if any(abstract) else self._place(batch)
+        if self.background is not None:
+            self.background.compile_all(state)
+            self._sync_programs_pending = False
         if self.phased is not None:
             return self.phased.compile_all(state, placed, steps=steps)
         self._program.lower(state, placed).compile()
@@ -240,8 +251,9 @@ def make_train_step(
         :func:`jaxcomm.phase`). ``False``: one program for every phase.
       precompile: with ``specialize_phases``, the first call compiles every phase combination
         the schedule can reach before it runs (``step.compile_all(state, batch)`` does it
-        before the first batch), so that no later step stops to compile; ``False``: each
-        when a step first needs it.
+        before the first batch), so that no later step stops to compile; so are the sync
+        programs of a ``jc.diloco(background=True)`` (with or without ``specialize_phases``);
+        ``False``: each when a step first needs it.
       max_in_flight: how many steps the host may dispatch ahead of the device before a call
         waits for the oldest (``None``: no bound). See :class:`jaxcomm.train.TrainStep`.
       mean_metrics: average the loss (and ``aux``) over the devices, one small all-reduce per
@@ -328,6 +340,7 @@ def make_train_step(
         max_in_flight=max_in_flight,
         background=background,
         place_abstract=place_abstract,
+        precompile=precompile,
     )
     return step, state
 

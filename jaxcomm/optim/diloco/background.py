@@ -221,6 +221,17 @@ class BackgroundSync:
     def after(self, state) -> None:
         self._count, self._last = self._count + 1, state
 
+    def compile_all(self, state) -> None:
+        """Compiles every fragment's sync programs (:class:`FragmentPrograms`) from ``state``
+        (arrays, or ``jax.ShapeDtypeStruct`` leaves with their shardings), so that no step
+        waits for a compile at the first sync. ``jc.make_train_step``'s first call does it
+        (with ``precompile``), as does ``step.compile_all``."""
+        diloco = find_diloco(state.opt_state)
+        theta, params = jax.tree.leaves(diloco.outer_params), jax.tree.leaves(state.params)
+        for f, ids in enumerate(fragment_leaves(len(params), self.spec.fragments)):
+            programs = self._fragment(f, diloco.local.pending[f])
+            programs.compile_all([theta[i] for i in ids], [params[i] for i in ids], diloco.comm[f])
+
     # -- one sync -----------------------------------------------------------------------------
 
     def _fragment(self, f: int, pending) -> FragmentPrograms:

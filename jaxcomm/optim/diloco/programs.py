@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.comm.state import ReduceState, plan_tree
@@ -180,3 +181,32 @@ class FragmentPrograms:
         self.worker = program(run_worker, (per, per), (per, per, per))
         self.server = program(run_server, (per, per), (per, per))
         self.finish = program(run_finish, (rep, per, per, per), (rep, per))
+        self._per = NamedSharding(mesh, per)
+        self._rep = NamedSharding(mesh, rep)
+
+    def compile_all(self, theta, params, comm) -> None:
+        """Compiles the four programs before the sync first runs them, from the arguments
+        ``issue`` will take (arrays, or ``jax.ShapeDtypeStruct`` leaves with their shardings):
+        ``issue`` and ``worker`` (a resumed sync) with those, ``server`` and ``finish`` with
+        the wires the host exchanges hand them (split over the data axis, and replicated)."""
+
+        def placed(tree, sharding=None):
+            return jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=sharding or getattr(x, "sharding", None)
+                ),
+                tree,
+            )
+
+        theta, params, comm = placed(theta), placed(params), placed(comm)
+        self.issue.lower(theta, params, comm).compile()
+        pending, wires, workers, kept = placed(
+            jax.eval_shape(self.issue, theta, params, comm), self._per
+        )
+        self.worker.lower(pending, comm).compile()
+        received = placed(wires, self._per)
+        self.server.lower(received, kept).compile()
+        gathered, servers = jax.eval_shape(self.server, received, kept)
+        self.finish.lower(
+            placed(gathered, self._rep), workers, placed(servers, self._per), kept
+        ).compile()

@@ -401,8 +401,12 @@ def diloco_background_table(results: dict[str, dict]) -> str:
         ratios, wire = doc.get("ratios", {}), doc.get("background_wire") or {}
         model = "transformer" if doc.get("model", "").startswith("transformer") else "MLP"
         link = wire.get("link_over_floor")
+        # Files without "link" ran on one shaped loopback: both processes and both directions
+        # in one queue (every byte paid twice); duplex.sh gives each direction its own.
+        duplex = (doc.get("link") or {}).get("full_duplex")
         rows.append([
             model, doc.get("outer_gradient", MISSING), doc.get("rate", MISSING),
+            "full duplex" if duplex else "shared queue",
             str(doc.get("H", MISSING)), str(doc.get("fragments", MISSING)),
             "yes" if doc.get("pinned") else "no", str(doc.get("warmup_cycles", 2)),
             f"{ratios['background_over_floor']:.2f}x" if "background_over_floor" in ratios else "",
@@ -411,7 +415,7 @@ def diloco_background_table(results: dict[str, dict]) -> str:
         ])
     if not rows:
         return "No results file of `benchmarks/diloco_background.py` yet.\n"
-    header = ["model", "outer gradient", "rate", "H", "F", "pinned", "warm-up cycles",
+    header = ["model", "outer gradient", "rate", "link", "H", "F", "pinned", "warm-up cycles",
               "background", "blocking", "link time alone", "file"]
     return table(header, rows)
 

@@ -17,9 +17,17 @@ the compressed optimizers, every 0/1 Adam phase and DiLoCo's sync step; 1.05x fo
 inner step; 2x for DeMo).
 
 CPU by default (``JAX_NUM_CPU_DEVICES`` simulated devices; XLA:CPU's fusion decisions, so a
-GPU's figures differ: ``benchmarks/gpu_check.py`` records the same cost analysis on a GPU)::
+GPU's figures differ: ``benchmarks/gpu_check.py`` records the same cost analysis on a GPU);
+each row also has ``hlo_bytes``/``hlo_ratio``, the same programs counted from their HLO text
+by ``benchmarks/hlo_bytes.py``, beside the cost analysis. ``--platform h100`` compiles every
+program for 8 H100s on one host (``h100:1x1x8``, no GPU needed, with jax[cuda12]) and the
+local step for one H100, and since XLA:GPU gives no cost analysis without a GPU, both sides
+of the ratio are the HLO count (the optimizers get ``max_consecutive_skips=None``: the skip
+cap's host callback does not compile for a GPU that is not there)::
 
     python benchmarks/bytes_accessed.py [--model mlp|gpt] [--devices 2,8] [--json OUT]
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 .venv/cuda/bin/python benchmarks/bytes_accessed.py \
+        --platform h100 --json benchmarks/results/bytes_accessed_h100.json
 """
 
 from __future__ import annotations
@@ -33,9 +41,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import platform  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -49,6 +55,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hlo_bytes import breakdown, hlo_bytes_accessed, hlo_bytes_notes  # noqa: E402, F401
 from step_models import (  # noqa: E402
     GPT_SMALL,
     Method,
@@ -94,51 +101,6 @@ def phases_of(method: Method, mesh) -> dict[tuple[int, ...], int]:
         state, _ = step(state, batch)
     jax.block_until_ready(state)
     return seen
-
-
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}  # fmt: skip
-_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
-
-
-def _shape_bytes(text: str) -> float:
-    total = 0.0
-    for dtype, dims in _ARRAY.findall(text):
-        total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-    return total
-
-
-def breakdown(hlo_text: str, top: int) -> list[dict]:
-    """The ``top`` instructions of the compiled program's entry computation by bytes read and
-    written (output plus operands, as HLO cost analysis counts them; instructions inside
-    loops and conditionals are not listed), each with its kind and JAX op name: where a step's
-    traffic goes."""
-    lines = hlo_text.splitlines()
-    start = next(i for i, ln in enumerate(lines) if ln.startswith("ENTRY"))
-    sizes: dict[str, float] = {}
-    rows = []
-    for ln in lines[start + 1 :]:
-        if ln.startswith("}"):
-            break
-        m = _INSTR.match(ln)
-        if not m:
-            continue
-        name, shape, op, rest = m.groups()
-        sizes[name] = _shape_bytes(shape)
-        if op in _FREE:
-            continue
-        args = rest.split(")", 1)[0]
-        read = sum(sizes.get(a, 0.0) for a in re.findall(r"%([\w.\-]+)", args))
-        where = re.search(r'op_name="([^"]*)"', ln)
-        kind = re.search(r"kind=(\w+)", ln)
-        rows.append(dict(name=name, op=op if kind is None else f"{op}:{kind.group(1)}",
-                         bytes=read + sizes[name], shape=shape[:80],
-                         op_name=where.group(1)[-100:] if where else ""))  # fmt: skip
-    rows.sort(key=lambda r: -r["bytes"])
-    return rows[:top]
 
 
 def abstract_step(mesh, tx, loss_fn: Callable, param_shapes: PyTree, batch_shapes: PyTree):
@@ -187,35 +149,81 @@ def model_of(args) -> tuple[dict, Callable, PyTree, PyTree]:
     return desc, loss_fn, shapes, (x, x)
 
 
+#: The H100 topology (one host, 8 GPUs; GpuTargetConfig from ``aot_report.H100_CONFIG``).
+H100_TOPOLOGY = "h100:1x1x8"
+
+
+def devices_for(platform_name: str):
+    """``(devices, one device)`` to compile for: the simulated CPU devices, or the H100s of
+    :data:`H100_TOPOLOGY` (compiled without a GPU)."""
+    if platform_name == "cpu":
+        cpu = jax.devices()
+        return cpu, cpu[0]
+    from aot_report import topology
+
+    _, devs = topology(H100_TOPOLOGY)
+    return devs, devs[0]
+
+
+def measures(compiled, platform_name: str) -> dict:
+    """The row's measures of ``compiled``: on CPU, ``bytes`` is XLA's cost analysis and
+    ``hlo_bytes`` the HLO count beside it (``hlo_bytes_mirror``: the HLO count of exactly
+    what the cost analysis charges, its check); on H100 (no cost analysis without a GPU),
+    ``bytes`` is the HLO count."""
+    text = compiled.as_text()
+    hlo = hlo_bytes_accessed(text)
+    out = dict(hlo_bytes=hlo, hlo_bytes_mirror=hlo_bytes_accessed(text, mirror=True))
+    notes = hlo_bytes_notes(text)
+    if notes:
+        out["hlo_notes"] = notes
+    if platform_name == "cpu":
+        out["bytes"] = bytes_accessed(compiled)
+        out["cost_analysis"] = out["bytes"]
+    else:
+        out["bytes"] = hlo
+        out["cost_analysis"] = bytes_accessed(compiled)  # None: XLA:GPU without a GPU
+    return out
+
+
 def measure(args) -> dict:
     desc, loss_fn, shapes, batch = model_of(args)
-    table = methods(zero_one_total_steps=ZERO_ONE_TOTAL_STEPS)
+    plat = args.platform
+    skips = {"max_consecutive_skips": None} if plat == "h100" else {}
+    table = methods(zero_one_total_steps=ZERO_ONE_TOTAL_STEPS, skips=skips)
     names = args.methods.split(",") if args.methods else list(table)
-    report = provenance(desc)
+    report = provenance(desc, plat, skips)
     rows: list[dict] = report["rows"]
+    devices, first = devices_for(plat)
 
     local, opt = local_adam_step(loss_fn)
+    one = jax.sharding.SingleDeviceSharding(first)
+    placed1 = lambda t: jax.tree.map(  # noqa: E731
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), t
+    )
     t0 = time.perf_counter()
-    compiled = local.lower(shapes, jax.eval_shape(opt.init, shapes), batch).compile()
-    base = bytes_accessed(compiled)
+    compiled = local.lower(
+        placed1(shapes), placed1(jax.eval_shape(opt.init, shapes)), placed1(batch)
+    ).compile()
+    base = measures(compiled, plat)
     if args.breakdown:
         for ins in breakdown(compiled.as_text(), args.breakdown):
             print_instruction("local", ins)
     rows.append(dict(devices=1, method="local", call=table["local"].call, phase="step",
-                     phase_values=[], bytes=base, ratio=1.0, target=1.0,
+                     phase_values=[], **base, ratio=1.0, hlo_ratio=1.0, target=1.0,
                      compile_s=time.perf_counter() - t0))  # fmt: skip
     write(args.json, report)
     cpu = jax.devices()
     for n in (int(d) for d in args.devices.split(",")):
-        if n > len(cpu):
+        if n > len(cpu) or n > len(devices):
             raise SystemExit(f"need {n} devices, have {len(cpu)} (set JAX_NUM_CPU_DEVICES)")
-        mesh = jax.make_mesh((n,), ("dp",), devices=cpu[:n])
+        mesh = jax.sharding.Mesh(np.array(devices[:n]), ("dp",))
+        probe_mesh = jax.make_mesh((n,), ("dp",), devices=cpu[:n])
         for name in names:
             method = table[name]
             if method.make is None:
                 continue
             step, state, placed = abstract_step(mesh, method.make(), loss_fn, shapes, batch)
-            for values, count in phases_of(method, mesh).items():
+            for values, count in phases_of(method, probe_mesh).items():
                 label = method.phase_label(values)
                 row = dict(devices=n, method=name, call=method.call, phase=label,
                            phase_values=list(values), first_step=count,
@@ -223,10 +231,11 @@ def measure(args) -> dict:
                 t0 = time.perf_counter()
                 try:
                     compiled = step.program(values).lower(state, placed).compile()
-                    row["bytes"] = bytes_accessed(compiled)
+                    row.update(measures(compiled, plat))
                     if args.breakdown:
                         row["top_instructions"] = breakdown(compiled.as_text(), args.breakdown)
-                    row["ratio"] = None if row["bytes"] is None else row["bytes"] / base
+                    row["ratio"] = None if row["bytes"] is None else row["bytes"] / base["bytes"]
+                    row["hlo_ratio"] = row["hlo_bytes"] / base["hlo_bytes"]
                 except Exception as e:  # noqa: BLE001 - the table records any failure
                     row.update(bytes=None, ratio=None, error=f"{type(e).__name__}: {e}"[:2000])
                 row["compile_s"] = time.perf_counter() - t0
@@ -239,18 +248,40 @@ def measure(args) -> dict:
     return report
 
 
-def provenance(model: dict) -> dict:
+MEASURES = {
+    "cpu": ("compiled.cost_analysis()['bytes accessed'] of each phase's compiled "
+            "make_train_step program, per device, over the local optax.adam step's; "
+            "hlo_bytes/hlo_ratio: the same programs' bytes counted from their HLO text by "
+            "benchmarks/hlo_bytes.py (while bodies times their trip count, no tuple pointer "
+            "tables), hlo_bytes_mirror: the HLO count of exactly what the cost analysis "
+            "charges"),
+    "h100": ("bytes accessed per device counted from the compiled HLO text by "
+             "benchmarks/hlo_bytes.py (XLA:GPU has no cost analysis without a GPU) of each "
+             "phase's make_train_step program compiled for " + H100_TOPOLOGY + " (no GPU), "
+             "over the same count of the local optax.adam step compiled for one H100"),
+}  # fmt: skip
+
+
+def provenance(model: dict, platform_name: str = "cpu", skips: dict | None = None) -> dict:
+    if platform_name == "cpu":
+        kind = jax.devices()[0].device_kind
+    else:
+        kind = devices_for(platform_name)[1].device_kind
     return dict(
         command=" ".join(["python", *sys.argv]),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         versions=dict(python=platform.python_version(), jax=jax.__version__,
-                      jaxlib=_version("jaxlib"), optax=_version("optax")),  # fmt: skip
+                      jaxlib=_version("jaxlib"), optax=_version("optax"),
+                      jax_cuda12_plugin=_version("jax-cuda12-plugin")),  # fmt: skip
         machine=dict(platform=platform.platform(), processor=platform.machine(),
                      cpus=os.cpu_count(), backend=jax.default_backend(),
                      device_kind=jax.devices()[0].device_kind),  # fmt: skip
+        target=dict(platform=platform_name, device_kind=kind,
+                    topology=None if platform_name == "cpu" else H100_TOPOLOGY,
+                    compiled_without_device=platform_name != "cpu",
+                    optimizer_arguments=dict(skips or {})),  # fmt: skip
         model=model,
-        measure=("compiled.cost_analysis()['bytes accessed'] of each phase's compiled "
-                 "make_train_step program, per device, over the local optax.adam step's"),
+        measure=MEASURES[platform_name],
         rows=[],
     )  # fmt: skip
 
@@ -269,7 +300,8 @@ def write(path: str | None, report: dict) -> None:
         Path(path).write_text(json.dumps(report, indent=1, default=str) + "\n")
 
 
-HEAD = f"{'dev':>3}  {'method':<14}{'phase':<16}{'bytes':>10}{'ratio':>8}{'target':>8}  ok"
+HEAD = (f"{'dev':>3}  {'method':<14}{'phase':<16}{'bytes':>10}{'ratio':>8}{'target':>8}  ok"
+        f"{'hlo':>6}{'hlo ratio':>10}")  # fmt: skip
 
 
 def print_row(r: dict, flush: bool = False) -> None:
@@ -278,8 +310,10 @@ def print_row(r: dict, flush: bool = False) -> None:
     ok = "" if r["method"] == "local" else ("yes" if r.get("within_target") else "NO")
     if r.get("error"):
         ok = "error: " + r["error"][:60]
+    hlo = "-" if r.get("hlo_bytes") is None else f"{r['hlo_bytes'] / 1e9:.3f} GB"
+    hr = "-" if r.get("hlo_ratio") is None else f"{r['hlo_ratio']:.2f}x"
     print(f"{r['devices']:>3}  {r['method']:<14}{r['phase']:<16}{gb:>10}{ratio:>8}"
-          f"{r['target']:>7.2f}x  {ok}", flush=flush)  # fmt: skip
+          f"{r['target']:>7.2f}x  {ok:<4}{hlo:>10}{hr:>8}", flush=flush)  # fmt: skip
 
 
 def print_instruction(prefix: str, ins: dict) -> None:
@@ -295,12 +329,25 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None, help="rows per device (512 MLP, 8 GPT)")
     p.add_argument("--devices", default="2,8", help="data-parallel sizes to compile for")
     p.add_argument("--methods", default=None, help="comma-separated (default: all)")
-    p.add_argument("--breakdown", type=int, default=0, metavar="N",
-                   help="also list each program's N largest instructions by bytes")
+    p.add_argument(
+        "--breakdown",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list each program's N largest instructions by bytes",
+    )
+    p.add_argument(
+        "--platform",
+        choices=("cpu", "h100"),
+        default="cpu",
+        help="cpu: compile for JAX_NUM_CPU_DEVICES CPU devices and use XLA's cost "
+        f"analysis; h100: compile for {H100_TOPOLOGY} without a GPU (needs "
+        "jax[cuda12]) and count the HLO (benchmarks/hlo_bytes.py)",
+    )
     p.add_argument("--json", metavar="OUT", default=None)
     args = p.parse_args(argv)
     model, *_ = model_of(args)
-    print(f"model: {model}; backend {jax.default_backend()}, jax {jax.__version__}")
+    print(f"model: {model}; platform {args.platform}, jax {jax.__version__}")
     print(HEAD)
     report = measure(args)
     print_row(report["rows"][0])

@@ -185,9 +185,17 @@ FREEZE_STEP = 2
 DILOCO_H = 16
 
 
-def methods(lr: float = 1e-3, zero_one_total_steps: int = 40) -> dict[str, Method]:
-    """Every optimizer row, the local optax step first."""
+def methods(
+    lr: float = 1e-3, zero_one_total_steps: int = 40, skips: dict | None = None
+) -> dict[str, Method]:
+    """Every optimizer row, the local optax step first. ``skips``: extra keyword arguments of
+    the optimizers with a skip cap (1-bit Adam/LAMB, 0/1 Adam, DiLoCo, DeMo), e.g.
+    ``{"max_consecutive_skips": None}`` where the cap's host callback cannot compile (XLA:GPU
+    without a GPU); they are written into each row's call."""
     import jaxcomm as jc
+
+    kw = dict(skips or {})
+    sfx = "".join(f", {k}={v!r}" for k, v in kw.items())
 
     def outer() -> optax.GradientTransformation:
         return optax.sgd(0.7, momentum=0.9, nesterov=True)
@@ -214,8 +222,8 @@ def methods(lr: float = 1e-3, zero_one_total_steps: int = 40) -> dict[str, Metho
             {"*": 1.5},
         ),
         Method(
-            "onebit_adam", f'onebit_adam(lr, freeze_step={FREEZE_STEP}, axis_name="dp")',
-            lambda: jc.onebit_adam(lr, freeze_step=FREEZE_STEP, axis_name="dp"),
+            "onebit_adam", f'onebit_adam(lr, freeze_step={FREEZE_STEP}, axis_name="dp"{sfx})',
+            lambda: jc.onebit_adam(lr, freeze_step=FREEZE_STEP, axis_name="dp", **kw),
             # The warm-up is exact Adam over an exact mean.
             {"warm-up": 1.15, "*": 1.5},
             {(0,): "warm-up", (1,): "first 1-bit", (2,): "1-bit"},
@@ -223,28 +231,30 @@ def methods(lr: float = 1e-3, zero_one_total_steps: int = 40) -> dict[str, Metho
         ),
         Method(
             "zero_one_adam",
-            f'zero_one_adam(lr, axis_name="dp", total_steps={zero_one_total_steps})',
-            lambda: jc.zero_one_adam(lr, axis_name="dp", total_steps=zero_one_total_steps),
+            f'zero_one_adam(lr, axis_name="dp", total_steps={zero_one_total_steps}{sfx})',
+            lambda: jc.zero_one_adam(
+                lr, axis_name="dp", total_steps=zero_one_total_steps, **kw
+            ),
             {"*": 1.5},
             {(0,): "variance exact", (1,): "variance 1-bit", (2,): "local", (3,): "sync 1-bit"},
             # total_steps=40: variance frozen after step 6, then sync and local steps alternate.
             warmup=10, cycle=2, steady=("local", "sync 1-bit"),
         ),
         Method(
-            "diloco", f'diloco(adam, sgd(0.7, nesterov), {DILOCO_H}, "dp", Quantize(4, EF))',
+            "diloco", f'diloco(adam, sgd(0.7, nesterov), {DILOCO_H}, "dp", Quantize(4, EF){sfx})',
             lambda: jc.diloco(
                 optax.adam(lr), outer(), DILOCO_H, "dp",
-                compressor=jc.Quantize(4, error_feedback=True),
+                compressor=jc.Quantize(4, error_feedback=True), **kw,
             ),  # fmt: skip
             {"inner": 1.05, "sync": 1.5, "*": 1.5},
             {(0, 0): "inner", (1, 1): "sync"},
             warmup=DILOCO_H, cycle=DILOCO_H, steady=("inner", "sync"),
         ),
-        Method("demo", 'demo(lr, axis_name="dp")', lambda: jc.demo(lr, axis_name="dp"),
+        Method("demo", f'demo(lr, axis_name="dp"{sfx})', lambda: jc.demo(lr, axis_name="dp", **kw),
                {"*": 2.0}),
         Method(
-            "onebit_lamb", f'onebit_lamb(lr, freeze_step={FREEZE_STEP}, axis_name="dp")',
-            lambda: jc.onebit_lamb(lr, freeze_step=FREEZE_STEP, axis_name="dp"),
+            "onebit_lamb", f'onebit_lamb(lr, freeze_step={FREEZE_STEP}, axis_name="dp"{sfx})',
+            lambda: jc.onebit_lamb(lr, freeze_step=FREEZE_STEP, axis_name="dp", **kw),
             {"*": 1.5},
             {(1,): "warm-up", (0,): "1-bit"},
             warmup=FREEZE_STEP + 2, steady=("1-bit",),

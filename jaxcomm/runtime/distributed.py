@@ -9,7 +9,8 @@ chooses a communication backend. :func:`init_distributed` does the same for JAX:
     ``"gloo"`` (TCP) or ``"mpi"`` (through MPItrampoline) before the CPU client is created.
 
 The environment parsing lives in the pure functions :func:`resolve_distributed_env`
-(:mod:`jaxcomm.runtime.environment`: torchrun, Open MPI, ``JAXCOMM_COORDINATOR``) and
+(:mod:`jaxcomm.runtime.environment`: torchrun, ``duplex.sh``, Open MPI,
+``JAXCOMM_COORDINATOR``) and
 :func:`resolve_slurm_env` (here), so it is unit-tested without starting anything.
 
 Who reads which launcher (JAX's own ``jax.distributed.initialize()`` detects SLURM, Open MPI
@@ -19,6 +20,8 @@ under ``mpirun`` and TPUs by itself; jaxcomm delegates to it where that does the
     ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``): read here; JAX has no torchrun detection. Where
     torchrun's agent serves its store on ``MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``),
     the JAX coordinator takes ``MASTER_PORT + 1``.
+* ``duplex.sh``, the two-host emulation on one machine (``COORD``, ``NPROC``, ``RANK``): read
+    here, after torchrun's variables and before Open MPI's and SLURM's.
 * Open MPI (``OMPI_COMM_WORLD_*``): rank and size read here; the coordinator from
     ``JAXCOMM_COORDINATOR`` or ``MASTER_ADDR``/``MASTER_PORT``, else (Open MPI 4's ``mpirun``)
     delegated to JAX's Open MPI detection.
@@ -56,7 +59,6 @@ from jaxcomm.runtime.environment import (
     DistributedEnv,
     format_address,
     parse_int,
-    rank_and_size,
     resolve_distributed_env,
 )
 from jaxcomm.runtime.host_allocator import configure_host_allocator
@@ -187,12 +189,26 @@ def init_distributed(
 ) -> DistributedInfo:
     """Chooses the cross-process collectives and initializes ``jax.distributed``.
 
-    Call it before any JAX computation (including ``jax.devices()``). Settings not passed as
-    arguments are read from the launcher's environment (torchrun, Open MPI, SLURM's ``srun``;
-    see :func:`resolve_distributed_env` and :func:`resolve_slurm_env`); if the environment names
-    no launcher, ``jax.distributed.initialize()`` runs its own cluster detection (TPU,
-    Kubernetes, ...). If ``jax.distributed`` is already initialized, the current settings are
-    returned and nothing is re-initialized.
+    Call it before any JAX computation (including ``jax.devices()``). Explicit arguments win,
+    each on its own: ``coordinator_address``, ``num_processes`` and ``process_id`` passed are
+    used as they are, and the environment variables they replace are not read, so a partial
+    launcher environment (``RANK`` without ``WORLD_SIZE``, say) never blocks them. Settings not
+    passed are read from the launcher's environment; when several launchers' variables are
+    present, the innermost launcher's win:
+
+    1. torchrun / DeepSpeed / ``jaxcomm launch``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+       ``MASTER_PORT`` (so ``srun torchrun`` gives torchrun's settings, not SLURM's);
+    2. ``duplex.sh`` (the two-host emulation): ``RANK``, ``NPROC``, ``COORD``, read when
+       ``COORD`` and ``NPROC`` are both set and ``WORLD_SIZE`` is not;
+    3. Open MPI: ``OMPI_COMM_WORLD_*``;
+    4. SLURM's ``srun``: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_STEP_NODELIST``, ...;
+    5. none: ``jax.distributed.initialize()`` runs its own cluster detection (TPU,
+       Kubernetes, ...).
+
+    ``JAXCOMM_COORDINATOR=host:port`` overrides every launcher's coordinator (but not the
+    argument). See :func:`resolve_distributed_env` and :func:`resolve_slurm_env`. If
+    ``jax.distributed`` is already initialized, the current settings are returned and nothing
+    is re-initialized.
 
     Backends:
 
@@ -248,7 +264,7 @@ def init_distributed(
         num_processes=num_processes,
         process_id=process_id,
     )
-    if resolved.source == "jax":  # no torchrun / Open MPI variables: SLURM's, if any
+    if resolved.source == "jax":  # no other launcher found: SLURM's variables, if any
         resolved = resolve_slurm_env(os.environ, resolved)
     if coordinator_address is None:
         resolved = _beside_torchrun_store(os.environ, resolved)
@@ -298,7 +314,8 @@ def init_distributed(
             raise
         raise ValueError(
             f"{e} No launcher environment found: set RANK, WORLD_SIZE, MASTER_ADDR and "
-            "MASTER_PORT (torchrun style), OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE with "
+            "MASTER_PORT (torchrun style), COORD, NPROC and RANK (duplex.sh), "
+            "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE with "
             f"{COORDINATOR_ENV}, run under SLURM's srun (SLURM_PROCID, SLURM_NTASKS, "
             "SLURM_STEP_NODELIST, SLURM_JOB_ID), or pass coordinator_address, num_processes "
             "and process_id."
@@ -369,7 +386,10 @@ def _slurm_port(env: Mapping[str, str]) -> int:
 
 def resolve_slurm_env(env: Mapping[str, str], base: DistributedEnv) -> DistributedEnv:
     """Fills what ``base`` (explicit arguments, ``JAXCOMM_COORDINATOR``/``MASTER_ADDR``) leaves
-    open from the variables ``srun`` sets; ``base`` unchanged outside SLURM.
+    open from the variables ``srun`` sets; ``base`` unchanged outside SLURM. What ``base``
+    already has is kept and its SLURM variables are not read, so a partial SLURM environment
+    does not block explicit arguments. :func:`init_distributed` calls it only when no other
+    launcher's variables were found (torchrun's or ``duplex.sh``'s inside ``srun`` win).
 
     Rank ``SLURM_PROCID``; size ``SLURM_STEP_NUM_TASKS`` or ``SLURM_NTASKS``; coordinator the
     first host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``, ``SLURM_NODELIST``) at
@@ -380,16 +400,26 @@ def resolve_slurm_env(env: Mapping[str, str], base: DistributedEnv) -> Distribut
     Raises:
         ValueError: An incomplete or inconsistent SLURM environment, naming the variable.
     """
-    size_var = next((v for v in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if env.get(v)), None)
-    if not env.get("SLURM_PROCID") and size_var is None:
+    size_var = next(
+        (v for v in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if env.get(v, "").strip()), None
+    )
+    if not env.get("SLURM_PROCID", "").strip() and size_var is None:
         return base
-    rank, size = rank_and_size(env, "SLURM_PROCID", size_var or "SLURM_NTASKS")
-    if base.process_id is not None:
-        rank = base.process_id
-    if base.num_processes is not None:
-        size = base.num_processes
-    if rank is not None and size is not None and rank >= size:
-        raise ValueError(f"process_id={rank} must be smaller than num_processes={size}.")
+    # What base already has (explicit arguments) is not read: a partial SLURM environment
+    # does not block it.
+    rank, rank_from = base.process_id, "process_id"
+    if rank is None:
+        rank, rank_from = parse_int(env, "SLURM_PROCID"), "SLURM_PROCID"
+        if rank is None:
+            raise ValueError(f"{size_var} is set but SLURM_PROCID is missing.")
+    size, size_from = base.num_processes, "num_processes"
+    if size is None:
+        if size_var is None:
+            raise ValueError("SLURM_PROCID is set but SLURM_NTASKS is missing.")
+        size, size_from = parse_int(env, size_var, minimum=1), size_var
+    assert size is not None
+    if rank >= size:
+        raise ValueError(f"{rank_from}={rank} must be smaller than {size_from}={size}.")
     coordinator = base.coordinator_address
     if coordinator is None:
         nodelist_var = next(

@@ -1,9 +1,10 @@
 """Which process am I: coordinator, world size and rank from a launcher's environment (pure).
 
-:func:`resolve_distributed_env` reads what torchrun / DeepSpeed (``MASTER_ADDR``,
-``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), Open MPI (``OMPI_COMM_WORLD_*``) or
-``jaxcomm launch`` (``JAXCOMM_COORDINATOR``) set, with explicit arguments winning, and checks it,
-without starting anything, so it is unit-tested on plain dicts.
+:func:`resolve_distributed_env` reads what torchrun / DeepSpeed / ``jaxcomm launch``
+(``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), ``duplex.sh``
+(``COORD``, ``NPROC``, ``RANK``) or Open MPI (``OMPI_COMM_WORLD_*``) set, plus the
+``JAXCOMM_COORDINATOR`` override, with explicit arguments winning, and checks it, without
+starting anything, so it is unit-tested on plain dicts.
 :func:`jaxcomm.init_distributed` then starts ``jax.distributed`` with the result.
 """
 
@@ -13,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
-#: Coordinator override (``host:port``) for launchers that do not set ``MASTER_ADDR``.
+#: Coordinator override (``host:port``), above every launcher's own.
 COORDINATOR_ENV = "JAXCOMM_COORDINATOR"
 
 
@@ -27,8 +28,10 @@ class DistributedEnv(NamedTuple):
         process_id: This process's rank in ``[0, num_processes)``, or ``None``.
         local_rank: Rank of this process on its node (``LOCAL_RANK``), if known.
         local_world_size: Number of processes on this node (``LOCAL_WORLD_SIZE``), if known.
-        source: Where the settings came from: ``"arguments"``, ``"torchrun"``, ``"ompi"`` or
-            ``"jax"`` (nothing found; JAX's own cluster detection will run).
+        source: Where the settings came from: ``"arguments"`` (all three passed),
+            ``"torchrun"``, ``"duplex"``, ``"ompi"``, ``"slurm"`` (from
+            :func:`jaxcomm.runtime.distributed.resolve_slurm_env`) or ``"jax"`` (nothing found;
+            JAX's own cluster detection will run).
     """
 
     coordinator_address: str | None
@@ -79,11 +82,66 @@ def _check_address(address: str, name: str) -> str:
     return address.strip()
 
 
-def _coordinator_from_env(env: Mapping[str, str]) -> str | None:
-    """``JAXCOMM_COORDINATOR`` if set, else ``MASTER_ADDR:MASTER_PORT``, else ``None``."""
+class Launcher(NamedTuple):
+    """The variables one launcher sets for each process."""
+
+    name: str  #: ``DistributedEnv.source`` when its variables are read.
+    rank: str
+    size: str
+    coordinator: str | None = None  #: its own ``host:port`` variable, if it has one
+    local_rank: str | None = None
+    local_size: str | None = None
+
+
+#: torchrun / DeepSpeed / ``jaxcomm launch`` (coordinator: ``MASTER_ADDR`` + ``MASTER_PORT``).
+TORCHRUN = Launcher("torchrun", "RANK", "WORLD_SIZE", None, "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+#: ``duplex.sh``, the two-host emulation (one network namespace per rank on one machine).
+DUPLEX = Launcher("duplex", "RANK", "NPROC", "COORD")
+#: Open MPI's ``mpirun``.
+OMPI = Launcher(
+    "ompi",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    None,
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+)
+
+
+def _is_set(env: Mapping[str, str], name: str) -> bool:
+    return bool(env.get(name, "").strip())
+
+
+def detect_launcher(env: Mapping[str, str]) -> Launcher | None:
+    """The launcher whose variables ``env`` holds, the innermost one first when several are
+    present (``srun torchrun``, a ``torchrun`` inside ``duplex.sh``).
+
+    torchrun when ``WORLD_SIZE`` is set; else ``duplex.sh`` when ``COORD`` and ``NPROC`` are
+    both set (either alone is not enough: ``NPROC`` is a common shell variable); else torchrun
+    when ``RANK`` is set; else Open MPI when ``OMPI_COMM_WORLD_RANK`` or
+    ``OMPI_COMM_WORLD_SIZE`` is set; else ``None``. Empty variables count as unset. SLURM is
+    read after all of these (:func:`jaxcomm.runtime.distributed.resolve_slurm_env`).
+    """
+    if _is_set(env, "WORLD_SIZE"):
+        return TORCHRUN
+    if _is_set(env, "COORD") and _is_set(env, "NPROC"):
+        return DUPLEX
+    if _is_set(env, "RANK"):
+        return TORCHRUN
+    if _is_set(env, "OMPI_COMM_WORLD_RANK") or _is_set(env, "OMPI_COMM_WORLD_SIZE"):
+        return OMPI
+    return None
+
+
+def _coordinator_from_env(env: Mapping[str, str], launcher: Launcher | None) -> str | None:
+    """``JAXCOMM_COORDINATOR`` if set, else the launcher's own variable (``duplex.sh``'s
+    ``COORD``), else ``MASTER_ADDR:MASTER_PORT``, else ``None``."""
     override = env.get(COORDINATOR_ENV, "").strip()
     if override:
         return _check_address(override, COORDINATOR_ENV)
+    if launcher is not None and launcher.coordinator is not None:
+        if _is_set(env, launcher.coordinator):
+            return _check_address(env[launcher.coordinator], launcher.coordinator)
     addr = env.get("MASTER_ADDR", "").strip()
     port = env.get("MASTER_PORT", "").strip()
     if addr and not port:
@@ -114,6 +172,13 @@ def rank_and_size(
     return rank, size
 
 
+def _seen(env: Mapping[str, str], launcher: Launcher) -> str:
+    """The launcher's variables that are set, for an error message: ``"COORD and NPROC are"``."""
+    names = [v for v in (launcher.coordinator, launcher.rank, launcher.size) if v]
+    found = [v for v in names if _is_set(env, v)]
+    return f"{' and '.join(found)} {'is' if len(found) == 1 else 'are'}"
+
+
 def resolve_distributed_env(
     env: Mapping[str, str] | None = None,
     *,
@@ -123,19 +188,35 @@ def resolve_distributed_env(
 ) -> DistributedEnv:
     """Resolves coordinator, world size and rank from arguments and launcher environment.
 
-    Explicit arguments win over the environment. The environment is read in this order:
+    Explicit arguments win, field by field: a setting passed as an argument is taken as it is
+    and the variables it replaces are not read, so a partial, stray or malformed launcher
+    variable never blocks it (``RANK`` set without ``WORLD_SIZE`` is no error when
+    ``num_processes`` is passed). Only settings left open are read from the environment, and
+    only a setting that is needed and missing is an error.
 
-    1. torchrun / DeepSpeed: ``RANK``, ``WORLD_SIZE`` (both required if either is set),
-          ``MASTER_ADDR`` + ``MASTER_PORT`` (required), optional ``LOCAL_RANK`` and
-          ``LOCAL_WORLD_SIZE``.
-    2. Open MPI: ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``,
-          ``OMPI_COMM_WORLD_LOCAL_RANK``, ``OMPI_COMM_WORLD_LOCAL_SIZE``; the coordinator comes from
-          ``JAXCOMM_COORDINATOR`` or ``MASTER_ADDR``/``MASTER_PORT``, or (under ``mpirun`` of Open
-          MPI 4, which sets ``OMPI_MCA_orte_hnp_uri``) from JAX's own Open MPI detection.
-    3. Nothing found: every field is ``None`` and ``jax.distributed.initialize()`` detects the
-          cluster itself (SLURM, TPU, Kubernetes, ...).
+    The launcher is the first of these whose variables are set (the innermost one when launchers
+    are nested, see :func:`detect_launcher`):
 
-    ``JAXCOMM_COORDINATOR=host:port`` overrides ``MASTER_ADDR``/``MASTER_PORT`` in all cases.
+    1. torchrun / DeepSpeed / ``jaxcomm launch`` (``WORLD_SIZE`` set, or ``RANK`` set without
+          ``duplex.sh``'s variables): ``RANK``, ``WORLD_SIZE``, coordinator ``MASTER_ADDR`` +
+          ``MASTER_PORT``, optional ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``.
+    2. ``duplex.sh``, the two-host emulation on one machine (``COORD`` and ``NPROC`` set):
+          ``RANK``, ``NPROC``, coordinator ``COORD`` (``host:port``). Each rank is its own
+          emulated node; no local rank.
+    3. Open MPI (``OMPI_COMM_WORLD_RANK`` or ``OMPI_COMM_WORLD_SIZE`` set):
+          ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
+          ``OMPI_COMM_WORLD_LOCAL_SIZE``; the coordinator from ``MASTER_ADDR``/``MASTER_PORT``,
+          or (under ``mpirun`` of Open MPI 4, which sets ``OMPI_MCA_orte_hnp_uri``) from JAX's
+          own Open MPI detection.
+    4. None of these: rank and size stay ``None`` (the coordinator may still come from
+          ``JAXCOMM_COORDINATOR`` or ``MASTER_ADDR``/``MASTER_PORT``);
+          :func:`jaxcomm.init_distributed` then reads SLURM's variables, and
+          ``jax.distributed.initialize()`` detects anything else (TPU, Kubernetes, ...).
+
+    So under ``srun torchrun`` torchrun's variables win over SLURM's, and ``srun duplex.sh``
+    gives ``duplex.sh``'s. The coordinator is, in order: ``coordinator_address``,
+    ``JAXCOMM_COORDINATOR=host:port``, the launcher's own (``COORD`` for ``duplex.sh``),
+    ``MASTER_ADDR:MASTER_PORT``.
 
     Args:
         env: Environment mapping; defaults to ``os.environ``.
@@ -144,65 +225,72 @@ def resolve_distributed_env(
         process_id: Explicit rank; overrides the environment.
 
     Returns:
-        The resolved :class:`DistributedEnv`.
+        The resolved :class:`DistributedEnv`; ``source`` is ``"arguments"`` when all three
+        were passed, else the launcher read (``"torchrun"``, ``"duplex"``, ``"ompi"``) or
+        ``"jax"``.
 
     Raises:
-        ValueError: Missing, non-integer or inconsistent settings. The message names the variable.
+        ValueError: Bad arguments, or a setting left to the environment that a launcher's
+            variables leave missing, non-integer or inconsistent. The message names the variable.
     """
     env = os.environ if env is None else env
 
+    coord = coordinator_address
+    if coord is not None:
+        coord = _check_address(coord, "coordinator_address")
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"num_processes={num_processes} must be >= 1.")
+    if process_id is not None and process_id < 0:
+        raise ValueError(f"process_id={process_id} must be >= 0.")
+
+    launcher = detect_launcher(env)
+    rank, rank_from = process_id, "process_id"
+    size, size_from = num_processes, "num_processes"
     local_rank: int | None = None
     local_size: int | None = None
-    env_coord = _coordinator_from_env(env)
-    source = "jax"
-
-    if "RANK" in env or "WORLD_SIZE" in env:
-        rank, size = rank_and_size(env, "RANK", "WORLD_SIZE")
-        local_rank = parse_int(env, "LOCAL_RANK")
-        local_size = parse_int(env, "LOCAL_WORLD_SIZE", minimum=1)
-        if env_coord is None and coordinator_address is None:
-            raise ValueError(
-                "RANK/WORLD_SIZE are set but MASTER_ADDR and MASTER_PORT are missing "
-                f"(or set {COORDINATOR_ENV}=host:port)."
-            )
-        source = "torchrun"
-    elif "OMPI_COMM_WORLD_RANK" in env or "OMPI_COMM_WORLD_SIZE" in env:
-        rank, size = rank_and_size(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
-        local_rank = parse_int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
-        local_size = parse_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", minimum=1)
-        if (
-            env_coord is None
-            and coordinator_address is None
-            and "OMPI_MCA_orte_hnp_uri" not in env  # JAX can derive it from this one.
-        ):
-            raise ValueError(
-                "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE are set but no coordinator is known: "
-                f"set {COORDINATOR_ENV}=host:port or MASTER_ADDR and MASTER_PORT."
-            )
-        source = "ompi"
-    else:
-        rank = size = None
-
-    if coordinator_address is not None:
-        coord: str | None = _check_address(coordinator_address, "coordinator_address")
-    else:
-        coord = env_coord
-
-    if num_processes is not None:
-        if num_processes < 1:
-            raise ValueError(f"num_processes={num_processes} must be >= 1.")
-        size = num_processes
-    if process_id is not None:
-        if process_id < 0:
-            raise ValueError(f"process_id={process_id} must be >= 0.")
-        rank = process_id
+    if launcher is not None:
+        if rank is None:
+            rank, rank_from = parse_int(env, launcher.rank), launcher.rank
+            if rank is None:
+                raise ValueError(
+                    f"{_seen(env, launcher)} set but {launcher.rank} is missing "
+                    "(or pass process_id)."
+                )
+        if size is None:
+            size, size_from = parse_int(env, launcher.size, minimum=1), launcher.size
+            if size is None:
+                raise ValueError(
+                    f"{_seen(env, launcher)} set but {launcher.size} is missing "
+                    "(or pass num_processes)."
+                )
+        if launcher.local_rank is not None:
+            local_rank = parse_int(env, launcher.local_rank)
+        if launcher.local_size is not None:
+            local_size = parse_int(env, launcher.local_size, minimum=1)
     if rank is not None and size is not None and rank >= size:
-        raise ValueError(f"process_id={rank} must be smaller than num_processes={size}.")
-    if None not in (coordinator_address, num_processes, process_id):
-        source = "arguments"
+        raise ValueError(f"{rank_from}={rank} must be smaller than {size_from}={size}.")
     if local_rank is not None and local_size is not None and local_rank >= local_size:
         raise ValueError(f"local rank {local_rank} must be smaller than local size {local_size}.")
 
+    if coord is None:
+        coord = _coordinator_from_env(env, launcher)
+    if coord is None and launcher is TORCHRUN:
+        raise ValueError(
+            f"{_seen(env, launcher)} set but MASTER_ADDR and MASTER_PORT are missing "
+            f"(or set {COORDINATOR_ENV}=host:port, or pass coordinator_address)."
+        )
+    if coord is None and launcher is OMPI and "OMPI_MCA_orte_hnp_uri" not in env:
+        # Without the ORTE URI, JAX's Open MPI detection cannot derive it either.
+        raise ValueError(
+            f"{_seen(env, launcher)} set but no coordinator is known: set "
+            f"{COORDINATOR_ENV}=host:port or MASTER_ADDR and MASTER_PORT, or pass "
+            "coordinator_address."
+        )
+
+    if None not in (coordinator_address, num_processes, process_id):
+        source = "arguments"
+    else:
+        source = "jax" if launcher is None else launcher.name
     return DistributedEnv(
         coordinator_address=coord,
         num_processes=size,

@@ -1,4 +1,5 @@
-"""``jc.init_distributed()`` under the environments torchrun, SLURM's srun and Open MPI set.
+"""``jc.init_distributed()`` under the environments torchrun, duplex.sh, SLURM's srun and Open
+MPI set, alone, nested, or beside explicit arguments.
 
 Nothing is started: ``jax.distributed.initialize`` is replaced by a stand-in that records its
 arguments and then does what JAX does before it opens a socket (its own cluster detection for
@@ -22,7 +23,8 @@ from jaxcomm.runtime.distributed import (
     resolve_slurm_env,
     tasks_on_node,
 )
-from jaxcomm.runtime.environment import DistributedEnv
+from jaxcomm.runtime.environment import DUPLEX as DUPLEX_LAUNCHER
+from jaxcomm.runtime.environment import DistributedEnv, resolve_distributed_env
 
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "JAX_COORDINATOR", "KUBERNETES_")
 LAUNCHER_VARS = (
@@ -39,6 +41,8 @@ LAUNCHER_VARS = (
     "JAX_LOCAL_DEVICE_IDS",
     "TPU_WORKER_HOSTNAMES",
     "TORCHELASTIC_USE_AGENT_STORE",
+    "COORD",
+    "NPROC",
 )
 
 TORCHRUN = {
@@ -70,6 +74,16 @@ OMPI = {
     "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
 }
 ORTE_URI = "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911"
+# What ../shared/tools/duplex.sh sets in rank 1 of `duplex.sh 1gbit 2 -- python train.py`.
+DUPLEX = {
+    "RANK": "1",
+    "NPROC": "2",
+    "COORD": "10.211.0.1:23456",
+    "ADDR": "10.211.0.2",
+    "ADDRS": "10.211.0.1,10.211.0.2",
+    "PORT": "23456",
+    "DUPLEX_NS": "dx-4242-ab12-1",
+}
 
 
 @pytest.fixture
@@ -416,6 +430,191 @@ def test_no_launcher_is_a_clear_error(calls):
 )
 def test_incomplete_launcher_names_the_variable(calls, monkeypatch, env, variable):
     _env(monkeypatch, env)
+    with pytest.raises(ValueError, match=variable):
+        init_distributed("gloo")
+    assert not calls
+
+
+# --------------------------------------------------------------------------------------------
+# Explicit arguments beside a partial, stray or malformed environment.
+# --------------------------------------------------------------------------------------------
+
+ARGS = dict(coordinator_address="127.0.0.1:5", num_processes=4, process_id=3)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"RANK": "1"},  # a stray rank (or duplex.sh's, read by a script of its own)
+        {"WORLD_SIZE": "2"},
+        {"RANK": "one", "WORLD_SIZE": "2"},
+        {"MASTER_ADDR": "head"},
+        {"MASTER_PORT": "29500"},
+        {"JAXCOMM_COORDINATOR": "nohostport"},
+        {"COORD": "10.211.0.1:23456", "NPROC": "2"},
+        {"OMPI_COMM_WORLD_RANK": "0"},
+        {"SLURM_PROCID": "0"},
+        {k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"},
+        DUPLEX,
+        {**TORCHRUN, **SLURM, **OMPI},
+    ],
+)
+def test_arguments_win_over_a_partial_environment(calls, monkeypatch, env):
+    _env(monkeypatch, env)
+    info = init_distributed("gloo", **ARGS)
+    (call,) = calls
+    assert _triple(call) == ("127.0.0.1:5", 4, 3)
+    assert call["given"]["cluster_detection_method"] == "deactivate"
+    assert (info.coordinator_address, info.num_processes, info.process_id) == ("127.0.0.1:5", 4, 3)
+
+
+def test_script_passing_duplex_variables_explicitly(calls, monkeypatch):
+    # A user's script under duplex.sh that reads its variables itself: RANK is in the
+    # environment without WORLD_SIZE, which must not stop the explicit arguments.
+    _env(monkeypatch, DUPLEX)
+    init_distributed(
+        "gloo",
+        coordinator_address=os.environ["COORD"],
+        num_processes=int(os.environ["NPROC"]),
+        process_id=int(os.environ["RANK"]),
+    )
+    assert _triple(calls[0]) == ("10.211.0.1:23456", 2, 1)
+
+
+@pytest.mark.parametrize(
+    "env, kwargs, want",
+    [
+        # RANK alone: the size passed, rank and coordinator from torchrun's variables.
+        (
+            {"RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "7"},
+            {"num_processes": 2},
+            ("h:7", 2, 1),
+        ),
+        ({**TORCHRUN, "RANK": "one"}, {"process_id": 0}, ("10.1.2.3:29500", 8, 0)),
+        ({**TORCHRUN, "MASTER_PORT": ""}, {"coordinator_address": "c:1"}, ("c:1", 8, 3)),
+        # No task count under srun: the size passed, the rest from SLURM.
+        (
+            {k: v for k, v in SLURM.items() if "NUM_TASKS" not in k and k != "SLURM_NTASKS"},
+            {"num_processes": 2},
+            (f"node01:{SLURM_PORT}", 2, 1),
+        ),
+        (
+            {k: v for k, v in SLURM.items() if k != "SLURM_PROCID"},
+            {"process_id": 0},
+            (f"node01:{SLURM_PORT}", 2, 0),
+        ),
+        (
+            {k: v for k, v in DUPLEX.items() if k != "RANK"},
+            {"process_id": 0},
+            ("10.211.0.1:23456", 2, 0),
+        ),
+    ],
+)
+def test_partial_arguments_take_the_rest_from_the_environment(
+    calls, monkeypatch, env, kwargs, want
+):
+    _env(monkeypatch, env)
+    init_distributed("gloo", **kwargs)
+    assert _triple(calls[0]) == want
+
+
+def test_an_argument_is_checked_against_the_environment_it_joins(calls, monkeypatch):
+    _env(monkeypatch, TORCHRUN)  # RANK=3
+    with pytest.raises(ValueError, match="RANK=3 must be smaller than num_processes=2"):
+        init_distributed("gloo", num_processes=2)
+    assert not calls
+
+
+# --------------------------------------------------------------------------------------------
+# duplex.sh (the two-host emulation), and which launcher wins when several are present.
+# --------------------------------------------------------------------------------------------
+
+
+def test_duplex(calls, monkeypatch):
+    _env(monkeypatch, DUPLEX)
+    info = init_distributed("gloo")
+    (call,) = calls
+    assert _triple(call) == ("10.211.0.1:23456", 2, 1)
+    assert call["given"]["cluster_detection_method"] == "deactivate"
+    assert call["visible"] is None
+    assert info == distributed.DistributedInfo(1, 2, "10.211.0.1:23456", "gloo")
+    assert resolve_distributed_env(DUPLEX) == DistributedEnv(
+        "10.211.0.1:23456", 2, 1, None, None, "duplex"
+    )
+
+
+def test_duplex_variables_match_the_script():
+    # The names read are the ones duplex.sh documents in its header.
+    script = os.path.join(
+        os.path.dirname(__file__), "..", "..", "..", "shared", "tools", "duplex.sh"
+    )
+    if not os.path.exists(script):
+        pytest.skip("duplex.sh is not beside the repository")
+    with open(script) as f:
+        header = f.read(4000)
+    assert "RANK NPROC COORD (rank 0's ip:port" in header
+    assert (DUPLEX_LAUNCHER.rank, DUPLEX_LAUNCHER.size, DUPLEX_LAUNCHER.coordinator) == (
+        "RANK",
+        "NPROC",
+        "COORD",
+    )
+
+
+@pytest.mark.parametrize(
+    "envs, source, want",
+    [
+        # srun torchrun: torchrun's variables, not SLURM's.
+        ((SLURM, TORCHRUN), "torchrun", ("10.1.2.3:29500", 8, 3)),
+        # srun duplex.sh: duplex.sh's, not SLURM's.
+        ((SLURM, DUPLEX), "duplex", ("10.211.0.1:23456", 2, 1)),
+        # torchrun inside duplex.sh (or a script that sets torchrun's names from duplex.sh's,
+        # as the benchmarks do): torchrun's.
+        ((DUPLEX, TORCHRUN), "torchrun", ("10.1.2.3:29500", 8, 3)),
+        ((OMPI, TORCHRUN), "torchrun", ("10.1.2.3:29500", 8, 3)),
+        ((OMPI, DUPLEX), "duplex", ("10.211.0.1:23456", 2, 1)),
+        ((SLURM, OMPI, {"JAXCOMM_COORDINATOR": "h:1"}), "ompi", ("h:1", 2, 1)),
+        # A stray NPROC (build scripts set it) or COORD alone is not duplex.sh.
+        ((TORCHRUN, {"NPROC": "16"}), "torchrun", ("10.1.2.3:29500", 8, 3)),
+        ((SLURM, {"NPROC": "16"}), "slurm", (f"node01:{SLURM_PORT}", 2, 1)),
+        ((SLURM, {"COORD": "x:1"}), "slurm", (f"node01:{SLURM_PORT}", 2, 1)),
+    ],
+)
+def test_launcher_precedence(calls, monkeypatch, caplog, envs, source, want):
+    for env in envs:
+        _env(monkeypatch, env)
+    with caplog.at_level("INFO", logger=distributed.__name__):
+        init_distributed("gloo")
+    assert _triple(calls[0]) == want
+    assert caplog.records[-1].getMessage().endswith(f"from {source}")
+
+
+@pytest.mark.parametrize(
+    "extra, coordinator",
+    [
+        ({"JAXCOMM_COORDINATOR": "10.0.0.9:777"}, "10.0.0.9:777"),  # the override
+        ({"MASTER_ADDR": "head", "MASTER_PORT": "29500"}, "10.211.0.1:23456"),  # COORD first
+    ],
+)
+def test_duplex_coordinator_overrides(calls, monkeypatch, extra, coordinator):
+    _env(monkeypatch, {**DUPLEX, **extra})
+    init_distributed("gloo")
+    assert _triple(calls[0]) == (coordinator, 2, 1)
+    init_distributed("gloo", coordinator_address="c:2")  # the argument above all
+    assert _triple(calls[1]) == ("c:2", 2, 1)
+
+
+@pytest.mark.parametrize(
+    "replace, variable",
+    [
+        ({"RANK": ""}, "COORD and NPROC are set but RANK is missing"),
+        ({"RANK": "2"}, "RANK=2 must be smaller than NPROC=2"),
+        ({"NPROC": "two"}, "NPROC"),
+        ({"NPROC": "0"}, "NPROC"),
+        ({"COORD": "10.211.0.1"}, "COORD"),
+    ],
+)
+def test_incomplete_duplex_names_the_variable(calls, monkeypatch, replace, variable):
+    _env(monkeypatch, {**DUPLEX, **replace})
     with pytest.raises(ValueError, match=variable):
         init_distributed("gloo")
     assert not calls

@@ -262,28 +262,67 @@ MEASURES = {
 }  # fmt: skip
 
 
+NOTES = {
+    "cpu": "XLA:CPU cost analysis; hlo_bytes beside it.",
+    "h100": (f"Compiled for {H100_TOPOLOGY} without a GPU; HLO count both sides (no cost "
+             "analysis); optimizers with max_consecutive_skips=None."),
+}  # fmt: skip
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def provenance(model: dict, platform_name: str = "cpu", skips: dict | None = None) -> dict:
     if platform_name == "cpu":
         kind = jax.devices()[0].device_kind
     else:
         kind = devices_for(platform_name)[1].device_kind
+    git = _git()
     return dict(
         command=" ".join(["python", *sys.argv]),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         versions=dict(python=platform.python_version(), jax=jax.__version__,
                       jaxlib=_version("jaxlib"), optax=_version("optax"),
                       jax_cuda12_plugin=_version("jax-cuda12-plugin")),  # fmt: skip
-        machine=dict(platform=platform.platform(), processor=platform.machine(),
+        machine=dict(platform=platform.platform(), processor=platform.machine(), cpu=_cpu_model(),
                      cpus=os.cpu_count(), backend=jax.default_backend(),
                      device_kind=jax.devices()[0].device_kind),  # fmt: skip
         target=dict(platform=platform_name, device_kind=kind,
                     topology=None if platform_name == "cpu" else H100_TOPOLOGY,
                     compiled_without_device=platform_name != "cpu",
                     optimizer_arguments=dict(skips or {})),  # fmt: skip
+        git=git,
+        commit=git["commit"],
+        note=NOTES[platform_name] + (" Working tree changed: " + ", ".join(git["changed"])
+                                     if git["changed"] else ""),
         model=model,
         measure=MEASURES[platform_name],
         rows=[],
     )  # fmt: skip
+
+
+def _git() -> dict:
+    """The commit measured, and the paths the working tree changed (the programs compiled
+    are the working tree's)."""
+    import subprocess
+
+    def run(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=30,
+                                  cwd=Path(__file__).resolve().parent).stdout  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    status = run("status", "--porcelain", "-z").split("\0")
+    changed = [e[3:] for e in status if len(e) > 3]
+    return dict(commit=run("rev-parse", "HEAD").strip() or None, changed=changed)
 
 
 def _version(pkg: str) -> str | None:

@@ -247,7 +247,8 @@ def methods(
                 compressor=jc.Quantize(4, error_feedback=True), **kw,
             ),  # fmt: skip
             {"inner": 1.05, "sync": 1.5, "*": 1.5},
-            {(0, 0): "inner", (1, 1): "sync"},
+            # (sync, skip-cap phase); without the cap (max_consecutive_skips=None) the sync only
+            {(0, 0): "inner", (1, 1): "sync", (0,): "inner", (1,): "sync"},
             warmup=DILOCO_H, cycle=DILOCO_H, steady=("inner", "sync"),
         ),
         Method("demo", f'demo(lr, axis_name="dp"{sfx})', lambda: jc.demo(lr, axis_name="dp", **kw),

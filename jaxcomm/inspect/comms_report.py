@@ -233,6 +233,13 @@ def comms_report(
       (scales and norms are small; a payload that grows with the input is not).
 
     Print the report for a table; ``report.ok`` is ``False`` when anything is flagged.
+
+    Any mesh works, JAX's default ``jax.make_mesh(...)`` (Explicit axes) as well as an Auto
+    mesh, with the same rows and bytes: ``fn`` is lowered as it would run. On an Explicit mesh
+    the arguments must say where they live, as the program itself needs: arrays placed with
+    ``jax.device_put(x, NamedSharding(mesh, spec))``, or shape structs given the same
+    ``sharding=`` (a ``shard_map`` refuses an input whose sharding does not match its
+    ``in_specs``; an Auto mesh reshards it silently).
     """
     import jax
 

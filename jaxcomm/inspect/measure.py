@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.comm.all_reduce import compressed_pmean
@@ -42,12 +43,28 @@ def wire_bytes_by_axes(text: str, mesh: jax.sharding.Mesh) -> dict[tuple[str, ..
 def mean_wire_bytes(mesh, axis: str, tree, compressor, bucket_bytes: int | None = None) -> float:
     """Bytes per device on the wire of one ``jc.compressed_pmean`` of an fp32 tree shaped like
     ``tree`` (a pytree of arrays or shape structs), inside ``shard_map`` over ``axis``, read
-    from the compiled HLO."""
+    from the compiled HLO (nothing runs).
+
+    ``mesh`` may have any axis types: JAX's default ``jax.make_mesh(...)`` (Explicit axes) and
+    an Auto mesh give the same count, since each device's share is laid out on ``axis`` before
+    the program is traced. With ``n = mesh.shape[axis]`` devices and ``numel`` elements in all
+    leaves, the exact mean (``jc.NoCompression()``) costs the ring all-reduce's
+    ``2 (n-1)/n * 4 * numel`` bytes per device; a compressor's count follows the formula in its
+    docstring (``jc.OneBit()``: ``2 (n-1)/n * (Np/8 + 4n)`` for one bucket, ``Np`` its length
+    padded to a multiple of ``8n``: the packed signs and one fp32 scale per row, both stages).
+    """
     n = mesh.shape[axis]
+    # Each argument's sharding says where its rows live: on a mesh with Explicit axes (JAX's
+    # default) shard_map takes its inputs as typed, and an unsharded one would not match P(axis).
+    split = NamedSharding(mesh, P(axis))
     local = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32), tree)
-    glob = jax.tree.map(lambda p: jax.ShapeDtypeStruct((n, *p.shape), jnp.float32), local)
+    glob = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct((n, *p.shape), jnp.float32, sharding=split), local
+    )
     state = init_state(compressor, local, axis_size=n, bucket_bytes=bucket_bytes)
-    g_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype), state)
+    g_state = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct((n, *s.shape), s.dtype, sharding=split), state
+    )
 
     def body(t, s):
         t, s = jax.tree.map(lambda x: x[0], (t, s))

@@ -219,20 +219,30 @@ class OneBit(StagedCodec):
 
         Returns this chunk's mean, the new worker residual and, with ``guard``, whether every
         device's worker scale is finite (if not, the residual returned is the old one). The
-        scales arrive before the residual is written, so that choice fuses into the pass that
-        writes it instead of costing a pass of its own.
+        scales arrive before the residual is written, so a conditional writes it: the new one
+        from ``buf`` (over the donated old one, in place), or the old one passed through. A
+        select would read the old residual on every step as well: one more pass over the
+        bucket.
         """
         scale = l2_scale(buf)
         payload = ensure_varying(worker_payload(buf, scale, axis_size), axis_name)
         received = _all_to_all_rows(payload, axis_name)
         signs, scales = signs_and_scales(received)
-        new_error = residual(buf, scale)
         finite = None
         if guard:
             # buf is finite iff its L2 norm is (an overflowing norm counts as non-finite), and
             # every output element is a scale times a sign: the scales decide everything.
             finite = jnp.all(jnp.isfinite(scales))
-            new_error = jnp.where(finite, new_error, worker_error)
+            new_error = lax.cond(
+                finite,
+                lambda buf, scale, old: residual(buf, scale),
+                lambda buf, scale, old: old,
+                buf,
+                scale,
+                worker_error,
+            )
+        else:
+            new_error = residual(buf, scale)
         return weighted_sign_sum(signs, scales / axis_size), new_error, finite
 
     def _all_reduce(self, flat, state: OneBitState, sizes, axis_name, axis_size, guard):

@@ -57,7 +57,7 @@ def main() -> None:
     import optax
     from _two_ranks import provenance
 
-    from jaxcomm.cli.demo import DemoConfig, check_methods, run
+    from jaxcomm.cli.demo_run import DemoConfig, check_methods, run
 
     cfg = DemoConfig(steps=args.steps, devices=args.devices, seed=args.seed,
                      methods=check_methods(m.strip() for m in args.methods.split(",")),

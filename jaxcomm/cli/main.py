@@ -313,14 +313,14 @@ def _add_demo(sub) -> None:
     )
 
     def run(args):
-        from jaxcomm.cli import demo  # the plot needs matplotlib (the `examples` extra)
+        from jaxcomm.cli import demo_run  # the plot needs matplotlib (the `examples` extra)
         from jaxcomm.runtime import backends_initialized, configure_host_allocator
 
         if not backends_initialized():  # XLA:CPU steps without page faults (see there)
             configure_host_allocator()
-        return demo.main_from_args(args)
+        return demo_run.main_from_args(args)
 
-    from jaxcomm.cli.demo import add_arguments
+    from jaxcomm.cli.demo_run import add_arguments
 
     add_arguments(p)
     p.set_defaults(run=run)

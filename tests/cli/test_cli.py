@@ -94,13 +94,13 @@ def test_help_is_terminal_text(argv, capsys):
 
 
 def test_demo_help_lists_methods_and_defaults(capsys):
-    from jaxcomm.cli import demo
+    from jaxcomm.cli import demo_run
 
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    d = demo.DemoConfig()
-    assert "from: " + ", ".join(demo.METHODS) in text
+    d = demo_run.DemoConfig()
+    assert "from: " + ", ".join(demo_run.METHODS) in text
     assert f"(default: {', '.join(d.methods)})" in text
     for default in (f"({d.batch_per_device})", f"({d.learning_rate:g})", f"({d.steps})"):
         assert default in text
@@ -108,24 +108,24 @@ def test_demo_help_lists_methods_and_defaults(capsys):
 
 
 def test_demo_refuses_unknown_methods_before_training(capsys, monkeypatch):
-    from jaxcomm.cli import demo
+    from jaxcomm.cli import demo_run
 
     def no_training(*args, **kwargs):
         raise AssertionError("trained before validating --methods")
 
-    monkeypatch.setattr(demo, "train", no_training)
+    monkeypatch.setattr(demo_run, "train", no_training)
     assert main(["demo", "--methods", "adam,onebit_adamm,lion", "--plot", ""]) == 2
     err = capsys.readouterr().err
     assert "unknown methods 'onebit_adamm', 'lion'" in err
-    assert "valid methods: " + ", ".join(demo.METHODS) in err
+    assert "valid methods: " + ", ".join(demo_run.METHODS) in err
     assert main(["demo", "--methods", ",", "--plot", ""]) == 2
     assert "no method given" in capsys.readouterr().err
 
 
 def test_demo_without_the_examples_extra_says_what_to_install(capsys, monkeypatch):
-    from jaxcomm.cli import demo
+    from jaxcomm.cli import demo_run
 
-    monkeypatch.setattr(demo, "run", lambda *a, **k: pytest.fail("ran without matplotlib"))
+    monkeypatch.setattr(demo_run, "run", lambda *a, **k: pytest.fail("ran without matplotlib"))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert main(["demo", "--steps", "2"]) == 2
     err = capsys.readouterr().err

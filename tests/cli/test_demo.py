@@ -10,7 +10,7 @@ pytest.importorskip("rich")
 import jax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
-from jaxcomm.cli import demo, demo_methods, demo_report  # noqa: E402
+from jaxcomm.cli import demo_methods, demo_report, demo_run  # noqa: E402
 from jaxcomm.cli.demo_methods import DILOCO_INT4, EXACT, LOCAL, ONEBIT  # noqa: E402
 from jaxcomm.cli.models import ByteBatches  # noqa: E402
 
@@ -53,7 +53,7 @@ def tiny_run(tmp_path_factory):
     )
     mesh = jax.make_mesh((8,), ("dp",), axis_types=(AxisType.Auto,))
     data = ByteBatches.from_corpus(context=cfg.context)
-    results = [demo.train(m, cfg, mesh, data) for m in cfg.methods]
+    results = [demo_run.train(m, cfg, mesh, data) for m in cfg.methods]
     params = demo_methods.make_model(cfg).init(cfg.seed)
     per_kind = demo_methods.wire_bytes_per_kind(mesh, "dp", params, cfg.bucket_bytes, cfg.methods)
     numel = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
@@ -103,7 +103,7 @@ def test_diloco_is_evaluated_on_its_outer_parameters():
     for _ in range(cfg.steps):  # a sync after step 4, then 2 local steps
         state, _ = step(state, data.sample(rng, (8 * cfg.batch_per_device,)))
     theta = jc.diloco_params(state.opt_state)
-    got = demo.evaluated_params(state)
+    got = demo_run.evaluated_params(state)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(theta), strict=True):
         np.testing.assert_array_equal(a, b)
     mean = jax.tree.map(lambda p: np.mean(np.asarray(p), 0), state.params)
@@ -112,7 +112,7 @@ def test_diloco_is_evaluated_on_its_outer_parameters():
     assert gap > 1e-5  # the local copies have moved on: the check can tell them apart
     zero_one = demo_methods.optimizer_for("zero_one_adam", cfg, "dp")[0]
     per_device = jc.TrainState(state.params, zero_one.init(model.init(cfg.seed)))
-    for a, b in zip(jax.tree.leaves(demo.evaluated_params(per_device)), jax.tree.leaves(mean),
+    for a, b in zip(jax.tree.leaves(demo_run.evaluated_params(per_device)), jax.tree.leaves(mean),
                     strict=True):  # fmt: skip
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -193,6 +193,6 @@ def test_demo_under_jax_distributed_matches_one_process(tmp_path):
     mesh = jax.make_mesh((8,), ("dp",), axis_types=(AxisType.Auto,))
     data = ByteBatches.from_corpus(context=cfg.context)
     for method in cfg.methods:
-        local = demo.train(method, cfg, mesh, data)
+        local = demo_run.train(method, cfg, mesh, data)
         assert runs[method]["kinds"] == local.kinds
         np.testing.assert_allclose(runs[method]["losses"], local.losses, rtol=1e-4)

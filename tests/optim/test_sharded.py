@@ -318,7 +318,7 @@ def test_flax_nnx_sharded_example():
 
 def test_demo_sharded_int8_method(mesh):
     pytest.importorskip("rich")
-    from jaxcomm.cli import demo, demo_methods, demo_report
+    from jaxcomm.cli import demo_methods, demo_report, demo_run
     from jaxcomm.cli.demo_methods import EXACT, SHARDED_INT8
     from jaxcomm.cli.models import ByteBatches
 
@@ -327,7 +327,7 @@ def test_demo_sharded_int8_method(mesh):
         methods=("sharded_int8",),
     )
     data = ByteBatches.from_corpus(context=cfg.context)
-    result = demo.train("sharded_int8", cfg, mesh, data)
+    result = demo_run.train("sharded_int8", cfg, mesh, data)
     assert result.kinds == [SHARDED_INT8] * cfg.steps
     assert np.all(np.isfinite(result.losses)) and result.losses[-1] < result.losses[0]
     params = demo_methods.make_model(cfg).init(cfg.seed)

@@ -564,3 +564,44 @@ def test_compressed_sync_sends_only_narrow_payloads(mesh):
     assert reports["int4"].ok, str(reports["int4"])
     ratio = reports["exact"].wire_bytes / reports["int4"].wire_bytes
     assert 6 < ratio < 8.1, ratio
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_inner_step_keeps_the_state_alike_by_cond_and_by_select(blocked):
+    # The two ways a skipped inner step keeps its state (XLA:CPU's default and XLA:GPU's) give
+    # the same values: the same arithmetic, which XLA may fuse differently (within a few fp32
+    # roundings of the update), and the exact old state and a zero update on a NaN.
+    from jaxcomm.optim.diloco.steps import make_inner_step
+
+    rng = np.random.default_rng(0)
+    inner = optax.adam(1e-2)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), "b": jnp.zeros((3,))}
+    state = inner.init(params)
+    state = inner.update(jax.tree.map(jnp.ones_like, params), state, params)[1]  # count 1
+    if blocked:
+        state = jax.tree.map(lambda x: jnp.reshape(x, (1, *jnp.shape(x))), state)
+    finite = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    bad = {"w": finite["w"].at[1, 2].set(jnp.nan), "b": finite["b"]}
+
+    def run(keep_by, grads):
+        step = make_inner_step(inner, "i", keep_by)
+        out = jax.vmap(
+            lambda g, s, p: step(g, s, p, blocked),
+            in_axes=(None, None, None),
+            axis_name="i",
+            axis_size=1,
+        )(grads, state, params)
+        return jax.tree.map(lambda x: np.asarray(x[0]), out)
+
+    for grads, expect_ok in ((finite, True), (bad, False)):
+        by_cond, by_select = run("cond", grads), run("select", grads)
+        for a, b in zip(jax.tree.leaves(by_cond), jax.tree.leaves(by_select), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+        ok, updates, new_state = by_select
+        assert bool(ok) is expect_ok
+        if not expect_ok:  # skipped: zero update, the state as it was
+            assert all(not np.any(u) for u in jax.tree.leaves(updates))
+            for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True):
+                np.testing.assert_array_equal(a, np.asarray(b))
+    with pytest.raises(ValueError, match="keep_by"):
+        make_inner_step(inner, "i", "where")

@@ -130,7 +130,9 @@ def make_outer_step(outer: optax.GradientTransformation, alpha, axis_name: AxisN
     return outer_step
 
 
-def make_inner_step(inner: optax.GradientTransformation, axis_name: AxisName) -> Callable:
+def make_inner_step(
+    inner: optax.GradientTransformation, axis_name: AxisName, keep_by: str | None = None
+) -> Callable:
     """``inner_step(updates, inner_state, params, blocked) -> (ok, inner_updates, inner_state)``.
 
     ``ok``: this device's gradient is finite (a float sum, see :func:`all_finite`); when it is
@@ -138,7 +140,16 @@ def make_inner_step(inner: optax.GradientTransformation, axis_name: AxisName) ->
     state's leaves are the ``(1, ...)`` blocks of ``jc.local_view`` (the inner optimizer then
     runs under ``vmap`` over that axis, so it sees its usual shapes and XLA updates its donated
     state in place).
+
+    ``keep_by``: how a skipped step keeps the state, the same values either way. ``"cond"``: the
+    update runs in a ``lax.cond`` (XLA:CPU writes the taken branch's state in place); ``"select"``:
+    the update runs and a select keeps the old state (XLA:GPU fuses the select into the update,
+    but copies a conditional's operands and results: the whole state, twice; see the DiLoCo
+    inner rows of ``benchmarks/results/bytes_accessed_h100.json``). ``None``: ``"cond"`` on CPU,
+    ``"select"`` elsewhere.
     """
+    if keep_by not in (None, "cond", "select"):
+        raise ValueError(f"jaxcomm: keep_by is 'cond', 'select' or None, got {keep_by!r}")
 
     def inner_step(updates, inner_state, params, blocked: bool):
         def take(updates, inner_state, params):
@@ -169,8 +180,22 @@ def make_inner_step(inner: optax.GradientTransformation, axis_name: AxisName) ->
             )
             return varying((stand_in, inner_state), axis_name)
 
+        def selected(ok, updates, inner_state, params):
+            new_updates, new_state = take(updates, inner_state, params)
+            old = varying(inner_state, axis_name)
+            return new_updates, jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_state, old)
+
+        def conditional(ok, updates, inner_state, params):
+            return lax.cond(ok, take, skip, updates, inner_state, params)
+
         ok = all_finite(updates)
-        new_updates, new_state = lax.cond(ok, take, skip, updates, inner_state, params)
+        if keep_by is None:
+            new_updates, new_state = lax.platform_dependent(
+                ok, updates, inner_state, params, cpu=conditional, default=selected
+            )
+        else:
+            run = conditional if keep_by == "cond" else selected
+            new_updates, new_state = run(ok, updates, inner_state, params)
         new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
         return ok, new_updates, new_state
 

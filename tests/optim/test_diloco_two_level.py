@@ -173,8 +173,10 @@ def test_a_nonfinite_gradient_on_one_device_skips_its_node(mesh2d):
     for i, leaf in enumerate(jax.tree.leaves(state.params)):
         for s in range(S):
             np.testing.assert_allclose(np.asarray(leaf)[s * L], xs[s][i], rtol=2e-5, atol=2e-6)
-    np.testing.assert_array_equal(np.asarray(state.opt_state.local.nonfinite), [1] * L + [0] * L)
-    assert int(state.opt_state.skipped) == 0
+    np.testing.assert_array_equal(
+        np.asarray(state.opt_state.local.skipped_total), [1] * L + [0] * L
+    )
+    assert int(state.opt_state.skipped_total) == 0
 
 
 def test_the_replicas_are_nodes_not_devices(mesh2d):

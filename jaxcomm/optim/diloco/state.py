@@ -31,18 +31,18 @@ class DiLoCoLocal(NamedTuple):
 
     Attributes:
       inner: the inner optimizer's state (its moments come from this device's gradients).
-      nonfinite: int32 scalar: inner steps skipped on this device because its new local
-        parameters were not finite.
-      consecutive: int32 scalar: of those, how many in a row up to now (0 after a step that
-        was taken); ``max_consecutive_skips`` bounds it.
+      skipped: int32 scalar: inner steps skipped on this device in a row up to now (0 after
+        a step that was taken) because its gradient was not finite; ``max_consecutive_skips``
+        bounds it.
+      skipped_total: int32 scalar: all inner steps skipped on this device so far.
       pending: with ``background=True``, per fragment, this device's pseudo-gradient
         ``theta_f - x_f`` of its latest sync (fp32 leaves), which the host side computes
         before step ``t_s + 1`` and reduces while the steps pass it on; ``()`` otherwise.
     """
 
     inner: PyTree
-    nonfinite: jax.Array
-    consecutive: jax.Array
+    skipped: jax.Array
+    skipped_total: jax.Array
     pending: tuple = ()
 
 
@@ -57,9 +57,10 @@ class DiLoCoState(NamedTuple):
       outer: one outer-optimizer state per fragment (each over the fragment's list of leaves).
       inflight: per fragment, the reduced outer gradient waiting to be merged (a list of fp32
         leaves), or ``()`` when ``overlap_steps == 0``.
-      skipped: int32 scalar: outer steps skipped because the outer gradient was not finite.
-      consecutive: int32 scalar: of those, how many in a row up to now (0 after an outer step
-        that was taken); ``max_consecutive_skips`` bounds it.
+      skipped: int32 scalar: outer steps skipped in a row up to now (0 after an outer step
+        that was taken) because the outer gradient or the new outer parameters were not
+        finite; ``max_consecutive_skips`` bounds it (as every jaxcomm optimizer's ``skipped``).
+      skipped_total: int32 scalar: all outer steps skipped so far.
       devices: int8 zeros ``(n,)``: records the number of devices the per-device leaves were
         built for (checked at trace time; use :func:`resize_diloco_state` to change it).
       local: per-device :class:`DiLoCoLocal` (the inner optimizer state).
@@ -72,7 +73,7 @@ class DiLoCoState(NamedTuple):
     outer: tuple
     inflight: tuple
     skipped: jax.Array
-    consecutive: jax.Array
+    skipped_total: jax.Array
     devices: jax.Array
     local: DiLoCoLocal
     comm: tuple

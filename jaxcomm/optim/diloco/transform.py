@@ -64,17 +64,17 @@ keeping per-device parameters. The model to evaluate is the outer one,
 
 Non-finite values: the state is kept and the skip counted. An inner step whose gradient is not
 finite on a device (a NaN or an Inf) is skipped on that device: its parameters and inner state
-are kept and its ``local.nonfinite`` counter goes up (no communication: the other devices step
+are kept and its ``local.skipped_total`` counter goes up (no communication: the other devices step
 on; the device's trajectory is that of a run in which it never saw those batches). A
 non-finite outer gradient (an overflowing sum or 1-bit scale, the outer optimizer) skips the
 fragment's sync: ``theta_f`` and its outer state are kept, the local copies are not merged and
-train on, and ``skipped`` counts it; the collective's own guard keeps the error feedback. An
+train on, and ``skipped_total`` counts it; the collective's own guard keeps the error feedback. An
 inner update that overflows a local copy from a finite gradient (a diverging inner optimizer)
 leaves that copy non-finite: its following steps are skipped as above and the syncs skipped,
 until the streak check below stops the run (within ``max_consecutive_skips + 1 + sync_every``
-steps). More than ``max_consecutive_skips`` outer steps in a row (``consecutive``),
+steps). More than ``max_consecutive_skips`` outer steps in a row (``skipped``),
 or a device still skipping at a sync after more than that many inner steps in a row
-(``local.consecutive``, compared at the syncs: one int32 max with the outer reduction), stop
+(``local.skipped``, compared at the syncs: one int32 max with the outer reduction), stop
 the run with a ``FloatingPointError`` naming the limit (one host callback per step, as the
 1-bit optimizers; ``None`` turns both off): a device whose copy has run away, or whose data
 stays bad, does not train on silently.
@@ -257,7 +257,7 @@ def diloco(
             outer=tuple(outer.init(part) for part in parts),
             inflight=tuple([jnp.zeros_like(x) for x in part] for part in parts) if tau else (),
             skipped=jnp.zeros([], jnp.int32),
-            consecutive=jnp.zeros([], jnp.int32),
+            skipped_total=jnp.zeros([], jnp.int32),
             devices=jnp.zeros((n,), jnp.int8),
             local=DiLoCoLocal(
                 inner.init(params),
@@ -293,15 +293,15 @@ def diloco(
             updates = lax.pmean(updates, fast)
         # Per device: a step whose gradient is not finite is not taken (make_inner_step).
         ok, inner_updates, inner_state = inner_step(
-            updates, state.local.inner, params, jnp.ndim(state.local.nonfinite) == 1
+            updates, state.local.inner, params, jnp.ndim(state.local.skipped_total) == 1
         )
         local = jax.tree.leaves(optax.apply_updates(params, inner_updates))
-        inner_nonfinite = state.local.nonfinite + jnp.where(ok, 0, 1).astype(jnp.int32)
-        in_a_row = jnp.where(ok, 0, state.local.consecutive + 1).astype(jnp.int32)
+        inner_total = state.local.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32)
+        in_a_row = jnp.where(ok, 0, state.local.skipped + 1).astype(jnp.int32)
         theta = list(jax.tree.leaves(state.outer_params))
         t = state.count + 1
         outers, inflights, comms = list(state.outer), list(state.inflight), list(state.comm)
-        counts = (state.skipped, state.consecutive)
+        counts = (state.skipped_total, state.skipped)  # the outer step's (all, in a row)
         # Leaves that no outer step can change this step (known at trace time in a
         # phase-specialised inner step): their update is the inner update itself.
         inner_only = [True] * len(param_leaves)
@@ -377,10 +377,10 @@ def diloco(
             outer_params=jax.tree.unflatten(jax.tree.structure(state.outer_params), theta),
             outer=tuple(outers),
             inflight=tuple(inflights),
-            skipped=counts[0],
-            consecutive=counts[1],
+            skipped=counts[1],
+            skipped_total=counts[0],
             devices=state.devices,
-            local=DiLoCoLocal(inner_state, inner_nonfinite, in_a_row, state.local.pending),
+            local=DiLoCoLocal(inner_state, in_a_row, inner_total, state.local.pending),
             comm=tuple(comms),
         )
         if max_consecutive_skips is not None:

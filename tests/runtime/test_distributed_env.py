@@ -548,11 +548,10 @@ def test_duplex_variables_match_the_script():
     script = os.path.join(
         os.path.dirname(__file__), "..", "..", "..", "shared", "tools", "duplex.sh"
     )
-    if not os.path.exists(script):
-        pytest.skip("duplex.sh is not beside the repository")
-    with open(script) as f:
-        header = f.read(4000)
-    assert "RANK NPROC COORD (rank 0's ip:port" in header
+    if os.path.exists(script):  # a clone elsewhere checks the names alone
+        with open(script) as f:
+            header = f.read(4000)
+        assert "RANK NPROC COORD (rank 0's ip:port" in header
     assert (DUPLEX_LAUNCHER.rank, DUPLEX_LAUNCHER.size, DUPLEX_LAUNCHER.coordinator) == (
         "RANK",
         "NPROC",

@@ -99,8 +99,8 @@ def periodic(t, period: int, offset: int, delay: int):
 
 def make_outer_step(outer: optax.GradientTransformation, alpha, axis_name: AxisName):
     """``outer_step(delta, theta, outer_state, local, counts) -> (theta, outer_state, local,
-    counts)`` over a fragment's lists of leaves (``counts``: outer steps skipped, in all and in
-    a row)."""
+    counts)`` over a fragment's lists of leaves (``counts``: outer steps skipped, in a row and
+    in all, as the state's ``skipped`` and ``skipped_total``)."""
     static_alpha_zero = isinstance(alpha, int | float) and float(alpha) == 0.0
     f32 = jnp.float32
 
@@ -119,10 +119,10 @@ def make_outer_step(outer: optax.GradientTransformation, alpha, axis_name: AxisN
                 for th, x in zip(new_theta, local, strict=True)
             ]
         merged = [jnp.where(finite, m, x) for m, x in zip(merged, local, strict=True)]
-        skipped, streak = counts
+        streak, skipped = counts
         counts = (
-            skipped + jnp.where(finite, 0, 1).astype(jnp.int32),
             jnp.where(finite, 0, streak + 1).astype(jnp.int32),
+            skipped + jnp.where(finite, 0, 1).astype(jnp.int32),
         )
         merged = [ensure_varying(x, axis_name) for x in merged]
         return new_theta, new_outer, merged, counts

@@ -301,7 +301,7 @@ def diloco(
         theta = list(jax.tree.leaves(state.outer_params))
         t = state.count + 1
         outers, inflights, comms = list(state.outer), list(state.inflight), list(state.comm)
-        counts = (state.skipped_total, state.skipped)  # the outer step's (all, in a row)
+        counts = (state.skipped, state.skipped_total)
         # Leaves that no outer step can change this step (known at trace time in a
         # phase-specialised inner step): their update is the inner update itself.
         inner_only = [True] * len(param_leaves)
@@ -377,8 +377,8 @@ def diloco(
             outer_params=jax.tree.unflatten(jax.tree.structure(state.outer_params), theta),
             outer=tuple(outers),
             inflight=tuple(inflights),
-            skipped=counts[1],
-            skipped_total=counts[0],
+            skipped=counts[0],
+            skipped_total=counts[1],
             devices=state.devices,
             local=DiLoCoLocal(inner_state, in_a_row, inner_total, state.local.pending),
             comm=tuple(comms),
@@ -397,7 +397,7 @@ def diloco(
                 lambda x: jnp.zeros([], jnp.int32),
                 in_a_row.reshape(()),
             )
-            check_skips(jnp.maximum(worst, counts[1]), max_consecutive_skips, "diloco")
+            check_skips(jnp.maximum(worst, counts[0]), max_consecutive_skips, "diloco")
         return new_updates, new_state
 
     if not background:

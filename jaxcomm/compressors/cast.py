@@ -27,7 +27,8 @@ class Cast(StagedCodec):
     all_to_all and all_gather only move data, and the payload crosses them as raw ``uint16``
     bits: XLA also moves plain float converts across them (seen: with a ``bf16`` operand the
     compiled all_to_all/all_gather ran in f32), but not a bitcast. The compiled HLO's payload is
-    ``u16`` (tested) and the reduction is fp32. Bytes: ``2 (n-1)/n * 2 N``, 2x less than fp32.
+    ``u16`` (tested) and the reduction is fp32. Bytes: ``2 (n-1)/n * 2 N``, 2x fewer bytes than
+    fp32.
 
     With ``error_feedback=True`` the rounding residuals of both casts are kept (in fp32), which
     removes the bias of the running average. Sums beyond the 16-bit range are fine (the wire

@@ -130,17 +130,18 @@ class OneBit(StagedCodec):
     1. ``buf = x + e_w``; ``s_w = ||buf||_2 / sqrt(Np)``; ``e_w <- buf - s_w * sgn(buf)``
        with ``sgn(v) = +1 if v >= 0 else -1``.
     2. Signs are packed 8 per byte; chunk ``j`` (``Np/n`` elements) goes to device ``j``
-       (all_to_all), with ``s_w`` as 4 more bytes.
+       (all_to_all), with ``s_w`` after the signs (fp32, 4 bytes per scale).
     3. ``c = sum_j (s_w[j] / n) * sgn_j[chunk r] + e_s``; ``s_s = ||c|| / sqrt(Np/n)``;
        ``e_s <- c - s_s * sgn(c)``.
-    4. Server signs and scales (4 bytes after the signs) are all-gathered; the mean is
+    4. Server signs and scales (each scale after its signs) are all-gathered; the mean is
        ``concat_r s_s[r] * sgn(c_r)`` cut to ``N`` (the sum is ``n`` times it).
 
     Only packed ``uint8`` signs and ``n`` fp32 scales per stage cross the wire, in one
     collective per stage (a scale travels with its signs, so a collective's fixed cost is paid
     once per stage and bucket): about
     ``2 (n-1)/n * Np/8`` bytes per device against ``2 (n-1)/n * 4N`` for an fp32 ring all-reduce
-    (32x less). Invariant at both stages: ``input + e_old == reconstruction + e_new``.
+    (about 32x fewer bytes than fp32). Invariant at both stages:
+    ``input + e_old == reconstruction + e_new``.
     On TPU each device's row (``Np/(8n) + 4`` bytes) is zero-padded to whole 512-byte tiles,
     the bytes XLA:TPU's layout moves anyway; the values are the same on every platform.
 

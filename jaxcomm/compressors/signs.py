@@ -50,17 +50,18 @@ def pack_sign_rows(rows: jax.Array) -> jax.Array:
 
 
 def unpack_signs(packed: jax.Array) -> jax.Array:
-    """Inverse of :func:`pack_signs` as ``+1.0 / -1.0`` floats; the last axis grows 8x."""
+    """Inverse of :func:`pack_signs` as ``+1.0 / -1.0`` floats; the last axis grows eightfold."""
     return scaled_signs(packed, 1.0)
 
 
 def scale_bytes(scale: jax.Array) -> jax.Array:
-    """A fp32 scale as 4 bytes, sent with the packed signs (one collective, not two)."""
+    """A fp32 scale bitcast to ``uint8[4]``, sent with the packed signs (one collective, not
+    two)."""
     return lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.uint8)
 
 
 def signs_and_scales(received: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Rows of packed signs, each followed by its scale's 4 bytes (:func:`scale_bytes`): the
+    """Rows of packed signs, each followed by its scale's bytes (:func:`scale_bytes`): the
     ``(n, M)`` signs and the ``n`` fp32 scales."""
     return received[:, :-4], lax.bitcast_convert_type(received[:, -4:], jnp.float32)
 

@@ -89,8 +89,8 @@ class SparseLoCo(Compressor):
     2^bits)`` bytes per leaf (20 at 2 bits); each device sends its part to the ``n - 1``
     others. Against the fp32 ring all-reduce, ``2 (n - 1)/n * 4`` bytes per element, the ratio
     is ``64 / (n d b)`` for a density ``d = top_k / chunk_size^2`` and ``b`` bits a kept value:
-    114x at ``n = 2`` and the defaults, 28x at ``n = 8`` (gathered parts grow with ``n``; 372x
-    and 93x at ``top_k=32``).
+    ``2048 / (9 n)`` at the defaults, ``114`` at ``n = 2`` and ``28`` at ``n = 8`` (gathered
+    parts grow with ``n``), and ``8192 / (11 n)`` at ``top_k=32``, ``372`` and ``93``.
 
     Defaults: ``top_k=128`` and ``error_decay=0.8`` (with ``chunk_size=64``, the paper's 2-bit
     values and 6 sigma), the measured recommendation: chosen on the byte-level LM of

@@ -44,8 +44,9 @@ class TopK(Compressor):
 
     * all-reduce: ``(n-1)/n * n k * 8 = 8 (n-1) f N``; ratio ``1 / (n f)``. The gathered
       volume grows with ``n`` (sparse sums do not stay sparse), so top-k beats dense int8
-      (about 4x) only when ``f < 1 / (4 n)``: below 3% at ``n = 8``, 0.4% at ``n = 64``. It
-      also pays a top-k selection and a scatter of ``n k`` pairs.
+      (about 4x fewer bytes than fp32) only when ``f < 1 / (4 n)``: ``f < 1/32`` at ``n = 8``,
+      ``f < 1/256`` at ``n = 64``. It also pays a top-k selection and a scatter of ``n k``
+      pairs.
     * reduce-scatter: ``(n-1)/n * n k_row * 8`` against ``(n-1)/n * 4 n C``: ratio
       ``1 / (2 f)`` at any ``n``; it beats dense int8 for ``f < 1/8``.
 

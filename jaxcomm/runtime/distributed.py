@@ -237,7 +237,7 @@ def init_distributed(
             collective forever: this bounds a hang on a stopped process or a silent link
             (gloo collectives have no timeout of their own that JAX exposes). Default: the
             ``JAXCOMM_HEARTBEAT_TIMEOUT`` environment variable (``jaxcomm launch
-            --heartbeat-timeout`` sets it), else JAX's default, 100 s.
+            --heartbeat-timeout`` sets it), else JAX's default: 100.
         host_allocator: Whether to call :func:`jaxcomm.configure_host_allocator` first (glibc
             keeps every step's buffers mapped: without it an XLA:CPU train step pays page
             faults on hundreds of MiB per step). Default: for the CPU backends (``"gloo"``,

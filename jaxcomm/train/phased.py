@@ -23,11 +23,12 @@ reaches no other combination.
 
 The compiles happen on the first call, not in a background thread: a schedule can change
 phase a few steps in (``freeze_step``; 0/1 Adam's first variance interval ends at step 16),
-about 0.1-0.2 s into a run of 6-11 ms steps, while one compile of a phase program took
-1.4-2.9 s on an H200, so a background compile would rarely be done in time and that step
-would wait for it anyway, at a point the user did not choose. The first call pays the same
-compiles once, before any step runs: the programs are traced in the calling thread, then
-compiled in parallel threads (XLA compiles without holding the GIL).
+a fraction of a second into a run, while one compile of a phase program takes as long as a
+hundred steps or more (0/1 Adam on an H200: 1.4-2.9 s a compile, 4-12 ms a step,
+``benchmarks/results/gpu_h200_one_device.md``), so a background compile would rarely be done
+in time and that step would wait for it anyway, at a point the user did not choose. The first
+call pays the same compiles once, before any step runs: the programs are traced in the calling
+thread, then compiled in parallel threads (XLA compiles without holding the GIL).
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def train(name: str, cfg, mesh, data, steps: int, eval_every: int) -> dict:
             total += count * b
             syncs += count
         peak = max(per_fragment)
-    skipped = 0 if H == 0 else int(state.opt_state.skipped_total)
+    skipped = 0 if H == 0 else int(state.opt_state.skips.total)
     return dict(
         name=name,
         H=H,

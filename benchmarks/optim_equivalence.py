@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
@@ -124,15 +125,23 @@ def run_all(only: list[str] | None) -> dict:
     return out
 
 
-def compare(a_path: str, b_path: str) -> int:
+def renamed(key: str, renames: list[tuple[str, str]]) -> str:
+    """``key`` with each state field renamed (``.old`` -> ``.new``, whole path parts only)."""
+    for old, new in renames:
+        key = re.sub(re.escape(old) + r"(?=[.\[]|$)", new, key)
+    return key
+
+
+def compare(a_path: str, b_path: str, renames: list[tuple[str, str]] = ()) -> int:
     import numpy as np
 
-    a, b = np.load(a_path), np.load(b_path)
-    missing = sorted(set(a.files) ^ set(b.files))
-    bad = [k for k in sorted(set(a.files) & set(b.files))
+    a_npz, b = np.load(a_path), np.load(b_path)
+    a = {renamed(k, list(renames)): a_npz[k] for k in a_npz.files}
+    missing = sorted(set(a) ^ set(b.files))
+    bad = [k for k in sorted(set(a) & set(b.files))
            if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
            or not np.array_equal(a[k], b[k], equal_nan=a[k].dtype.kind in "fc")]
-    print(f"{len(a.files)} vs {len(b.files)} arrays; {len(missing)} in one file only; "
+    print(f"{len(a)} vs {len(b.files)} arrays; {len(missing)} in one file only; "
           f"{len(bad)} differ")
     for k in (missing + bad)[:30]:
         print("  ", k)
@@ -145,9 +154,13 @@ def main() -> int:
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"))
     parser.add_argument("--jaxcomm", metavar="DIR", help="import jaxcomm from this checkout")
     parser.add_argument("--only", default="", help="comma-separated optimizer names")
+    parser.add_argument(
+        "--rename", action="append", default=[], metavar="OLD=NEW",
+        help="a state field renamed between A and B (e.g. .skipped_total=.skips.total)",
+    )
     args = parser.parse_args()
     if args.compare:
-        return compare(*args.compare)
+        return compare(*args.compare, [tuple(r.split("=", 1)) for r in args.rename])
     if not args.save:
         parser.error("give --save NPZ or --compare A B")
     if args.jaxcomm:

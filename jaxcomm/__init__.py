@@ -37,6 +37,7 @@ from jaxcomm.compressors import (
 from jaxcomm.elastic.diloco import resize_diloco_state
 from jaxcomm.elastic.reshard import reshard_train_state, train_state_template
 from jaxcomm.elastic.resize import resize_state
+from jaxcomm.guard import SkipCounters
 from jaxcomm.inspect import CommsReport, comms_report, wire_bytes_by_axes
 from jaxcomm.optim.compressed_mean import CompressedMeanState, compressed_mean
 from jaxcomm.optim.demo import DemoLocal, DemoState, demo, scale_by_demo
@@ -128,6 +129,7 @@ __all__ = [
     "LocalState",
     "OneBitAdamState",
     "OneBitLambState",
+    "SkipCounters",
     "ZeroOneAdamState",
     "compressed_mean",
     "demo",

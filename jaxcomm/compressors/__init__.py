@@ -1,6 +1,6 @@
 """Compressors: how one bucket is reduced across a mesh axis, one family per module.
 
-``_base`` (the :class:`Compressor` interface and the guard's helpers), ``staged`` (the staged
+``_base`` (the :class:`Compressor` interface), ``staged`` (the staged
 codec: its stages, written once, and the in-program transport), ``exact``
 (:class:`NoCompression`), ``onebit`` (its wire and stage arithmetic in ``signs``), ``quantize``,
 ``cast``, ``powersgd``, ``topk``, ``sparseloco`` (its chunking and wire codes in ``chunks``).
@@ -8,9 +8,7 @@ Public names are exported from :mod:`jaxcomm`.
 """
 
 from jaxcomm.compressors._base import Compressor as Compressor
-from jaxcomm.compressors._base import keep_if as keep_if
 from jaxcomm.compressors._base import mean_or_fallback as mean_or_fallback
-from jaxcomm.compressors._base import probes_finite as probes_finite
 from jaxcomm.compressors.cast import Cast as Cast
 from jaxcomm.compressors.exact import ExactCodec as ExactCodec
 from jaxcomm.compressors.exact import NoCompression as NoCompression

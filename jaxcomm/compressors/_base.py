@@ -1,4 +1,4 @@
-"""The compressor interface and the guard's helpers.
+"""The compressor interface.
 
 A compressor turns a flat, fp32 (or native-dtype) bucket into a collective chain. It is a frozen
 dataclass, so it is hashable and can be a static argument of ``jax.jit``; its per-bucket error
@@ -33,6 +33,7 @@ from jaxcomm.compressors.buckets import (
     rank_major_to_concatenated,
     split_concatenated,
 )
+from jaxcomm.guard import keep_if, probes_finite
 
 
 class Compressor(abc.ABC):
@@ -227,33 +228,16 @@ class Compressor(abc.ABC):
         return jax.tree_util.tree_structure(template).unflatten([share])
 
 
-def probes_finite(probes) -> jax.Array:
-    """True iff every element of every array in ``probes`` is finite (bool scalar).
-
-    Decided as ``isfinite(sum(x - x))``: ``x - x`` is 0 for a finite ``x`` and NaN for an Inf
-    or a NaN, so the sum is exactly 0 or NaN (no false alarm, unlike ``sum(x)``), one fused
-    float reduction. On XLA:CPU a boolean ``all(isfinite(x))`` writes a mask and reduces it in
-    a tree (about 8x slower over a ``(1, N)`` block), and ``x * 0`` can make XLA write a buffer
-    of zeros first.
-    """
-    total = jnp.zeros([], jnp.float32)
-    for x in probes:
-        if jnp.size(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-            total = total + jnp.sum(x - x, dtype=jnp.float32)
-    return jnp.isfinite(total)
-
-
 def mean_or_fallback(
     mean: jax.Array, bucket: Bucket, fallback: list[jax.Array]
 ) -> tuple[list[jax.Array], jax.Array]:
     """A bucket's flat ``mean`` as its leaves, or ``fallback``'s when it is not finite; and the
     flag (a bool scalar).
 
-    Decided as ``isfinite(sum(mean))``: a NaN or Inf makes the sum so, and a float sum is the
-    cheapest reduction XLA:CPU has (a boolean ``all`` materialises a mask). Finite values whose
-    sum passes the fp32 range (a step that would blow up anyway) fall back too.
+    Decided by :func:`probes_finite`, the one finiteness test: exact, so finite values whose
+    sum would pass the fp32 range keep the mean.
     """
-    finite = jnp.isfinite(jnp.sum(mean))
+    finite = probes_finite([mean])
     pieces = split_concatenated(mean, bucket)
     leaves = [p.reshape(shape) for p, shape in zip(pieces, bucket.shapes, strict=True)]
     return [jnp.where(finite, x, f) for x, f in zip(leaves, fallback, strict=True)], finite
@@ -272,8 +256,3 @@ def rank_major_share(share: np.ndarray, bucket: Bucket, axis_size: int, length: 
     rank-major rows, flattened."""
     rows = concatenated_to_rank_major(share, bucket, axis_size, length // axis_size, xp=np)
     return rows.reshape(-1)
-
-
-def keep_if(finite: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where ``finite``, else ``old``, leaf by leaf."""
-    return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)

@@ -42,14 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm._compat import all_gather_replicated, ensure_varying
-from jaxcomm.compressors._base import (
-    Compressor,
-    probes_finite,
-    rank_major_pending,
-    rank_major_share,
-)
+from jaxcomm._compat import all_gather_replicated, ensure_varying, varying_like
+from jaxcomm.compressors._base import Compressor, rank_major_pending, rank_major_share
 from jaxcomm.compressors.buckets import ceil_div
+from jaxcomm.guard import probes_finite
 
 #: A payload: the arrays one stage sends, each with a leading ``(n, ...)`` row per destination
 #: at the worker stage.
@@ -370,7 +366,10 @@ def guarded_finish(
         return finish_stage(codec, gathered, numel, axis_size), finite
 
     def nan(gathered):
-        return jnp.full((numel,), jnp.nan, jnp.float32)
+        out = jnp.full((numel,), jnp.nan, jnp.float32)
+        for wire in gathered:  # typed as the decoding (over a tuple: varying over the fast axes)
+            out = varying_like(out, wire)
+        return out
 
     def decode(gathered):
         return finish_stage(codec, gathered, numel, axis_size)

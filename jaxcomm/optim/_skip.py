@@ -2,9 +2,11 @@
 
 A step whose gradients, mean or update hold a NaN or an Inf on any device changes nothing on
 every device: the state is kept (the collectives' guard keeps each bucket's error feedback;
-:func:`keep_error_feedback` keeps all of them), the update is zero, ``skipped`` counts the steps
-skipped in a row and ``skipped_total`` all of them, and more than ``max_consecutive_skips`` in a
-row raise (:func:`check_skips`).
+:func:`keep_error_feedback` keeps all of them), the update is zero, the state's
+:class:`~jaxcomm.guard.SkipCounters` count the steps skipped in a row and in all, and more
+than ``max_consecutive_skips`` in a row raise (:func:`check_skips`). The policy itself (the
+finiteness test, keep-or-skip, the counters) is :mod:`jaxcomm.guard`'s; this module applies
+it to the optimizers' states.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from jax import lax
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.state import ReduceState, plan_tree
-from jaxcomm.compressors import Compressor, keep_if, probes_finite
+from jaxcomm.compressors import Compressor
+from jaxcomm.guard import SkipCounters, keep_if, probes_finite
 from jaxcomm.optim.schedule import recording_phases
 
 PyTree = Any
@@ -26,8 +29,8 @@ PyTree = Any
 
 def all_finite(*trees: PyTree) -> jax.Array:
     """One bool scalar: no leaf holds a NaN or an Inf (exact: finite values whose sum would
-    overflow are finite). The one finiteness test of jaxcomm, :func:`probes_finite`, over every
-    floating leaf; replicated when the trees are."""
+    overflow are finite): :func:`~jaxcomm.guard.probes_finite` over every floating leaf;
+    replicated when the trees are."""
     return probes_finite([x for t in trees for x in jax.tree.leaves(t)])
 
 
@@ -100,13 +103,11 @@ def on_every_device(ok: jax.Array, axis_name: str) -> jax.Array:
     return lax.pmin(ensure_varying(ok.astype(jnp.int32), axis_name), axis_name) > 0
 
 
-def count_skips(
-    ok: jax.Array, skipped: jax.Array, skipped_total: jax.Array, limit: int | None, name: str
-) -> tuple[jax.Array, jax.Array]:
-    """The new ``(skipped, skipped_total)`` counters (int32), raising past ``limit`` in a row."""
-    new = jnp.where(ok, 0, skipped + 1).astype(jnp.int32)
-    check_skips(new, limit, name)
-    return new, skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32)
+def count_skips(ok: jax.Array, skips: SkipCounters, limit: int | None, name: str) -> SkipCounters:
+    """The counters after this step (applied where ``ok``), raising past ``limit`` in a row."""
+    new = skips.after(ok)
+    check_skips(new.consecutive, limit, name)
+    return new
 
 
 def zeros_unless(ok: jax.Array, tree: PyTree) -> PyTree:

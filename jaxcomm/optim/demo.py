@@ -23,8 +23,8 @@ from jax import lax
 
 from jaxcomm.comm.axes import AxisName, canonical_axis, split_levels
 from jaxcomm.comm.state import per_device
-from jaxcomm.compressors import keep_if
 from jaxcomm.compressors.chunks import offset_bytes
+from jaxcomm.guard import SkipCounters, keep_if
 from jaxcomm.optim._common import (
     PyTree,
     cast_like,
@@ -59,14 +59,13 @@ class DemoState(NamedTuple):
     Attributes:
       count: updates done so far (int32 scalar, replicated).
       local: the per-device :class:`DemoLocal` momentum.
-      skipped: consecutive updates skipped because they were not finite (int32, replicated).
-      skipped_total: all updates skipped so far (int32, replicated).
+      skips: the updates skipped because they were not finite, in a row and in all
+        (:class:`~jaxcomm.guard.SkipCounters`, int32, replicated).
     """
 
     count: jax.Array
     local: DemoLocal
-    skipped: jax.Array
-    skipped_total: jax.Array
+    skips: SkipCounters
 
 
 def scale_by_demo(
@@ -110,7 +109,7 @@ def scale_by_demo(
 
     A step whose gathered values are not finite (a NaN or Inf in any device's momentum ranks
     first in its chunk, so it is sent) is skipped on every device: the momentum is kept, the
-    direction is zero, ``skipped`` / ``skipped_total`` count it, and more than
+    direction is zero, ``state.skips`` counts it, and more than
     ``max_consecutive_skips`` in a row raise ``FloatingPointError``. The arguments are those of
     :func:`demo`.
 
@@ -136,8 +135,8 @@ def scale_by_demo(
                     f"jaxcomm: demo needs floating-point parameters, got {jnp.result_type(x)} "
                     f"at {jax.tree_util.keystr(path) or '(the root)'}"
                 )
-        count, skipped, total = (jnp.zeros([], jnp.int32) for _ in range(3))
-        return DemoState(count, DemoLocal(zeros_f32(params)), skipped, total)
+        count = jnp.zeros([], jnp.int32)
+        return DemoState(count, DemoLocal(zeros_f32(params)), SkipCounters.zeros())
 
     def update_fn(updates, state, params=None):
         del params
@@ -154,14 +153,9 @@ def scale_by_demo(
         parts, values, ok = exchange_messages(messages, layout.plans, axis_name, wire)
         directions = sign_directions(parts, values, layout, grads)
         mu = keep_if(ok, treedef.unflatten(new_mus), state.local.mu)
-        skipped, skipped_total = count_skips(
-            ok, state.skipped, state.skipped_total, max_consecutive_skips, "demo"
-        )
+        skips = count_skips(ok, state.skips, max_consecutive_skips, "demo")
         new_state = DemoState(
-            jnp.where(ok, optax.safe_increment(state.count), state.count),
-            DemoLocal(mu),
-            skipped,
-            skipped_total,
+            jnp.where(ok, optax.safe_increment(state.count), state.count), DemoLocal(mu), skips
         )
         return zeros_unless(ok, treedef.unflatten(directions)), new_state
 
@@ -263,7 +257,7 @@ def demo(
         if params is not None and not is_static_zero(weight_decay):
             decay = jnp.asarray(weight_decay, jnp.float32) * lr
             out = jax.tree.map(lambda o, p: o + decay * p, out, f32(params))
-        applied = new_state.skipped == 0  # a skipped step moves nothing, not even weight decay
+        applied = new_state.skips.consecutive == 0  # a skipped step moves nothing, no decay
         out = jax.tree.map(lambda o: jnp.where(applied, -o, jnp.zeros_like(o)), out)
         return cast_like(out, updates if params is None else params), new_state
 

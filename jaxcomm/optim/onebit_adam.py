@@ -29,7 +29,8 @@ import optax
 
 from jaxcomm.comm.axes import AxisName
 from jaxcomm.comm.state import ReduceState, init_state
-from jaxcomm.compressors import Compressor, OneBit, keep_if
+from jaxcomm.compressors import Compressor, OneBit
+from jaxcomm.guard import SkipCounters, keep_if
 from jaxcomm.optim._common import (
     PyTree,
     cast_like,
@@ -72,8 +73,8 @@ class OneBitAdamState(NamedTuple):
         device).
       nu: second moment, fp32, replicated (frozen after ``freeze_step``).
       comm: error feedback of the 1-bit momentum all-reduce (per-device ``jc.ReduceState``).
-      skipped: consecutive updates skipped because they were not finite (int32, replicated).
-      skipped_total: all updates skipped so far (int32, replicated).
+      skips: the updates skipped because they were not finite, in a row and in all
+        (:class:`~jaxcomm.guard.SkipCounters`, int32, replicated).
       preconditioned: whether ``mu`` and ``nu`` are in the step's space (bool, replicated):
         from the first compressed step on with ``precondition``, ``nu`` holds the frozen
         denominator ``d = max(sqrt(v_hat), floor * rms) + eps`` and ``mu`` the preconditioned
@@ -85,8 +86,7 @@ class OneBitAdamState(NamedTuple):
     mu: PyTree
     nu: PyTree
     comm: ReduceState
-    skipped: jax.Array
-    skipped_total: jax.Array
+    skips: SkipCounters
     preconditioned: jax.Array
 
 
@@ -150,9 +150,9 @@ def scale_by_onebit_adam(
         mu = zeros_f32(params)
         comm = init_state(compressor, mu, axis_size=n, bucket_bytes=bucket_bytes)
         # Distinct arrays for the counters (one shared buffer cannot be donated three times).
-        count, skipped, total = (jnp.zeros([], jnp.int32) for _ in range(3))
+        count, skips = jnp.zeros([], jnp.int32), SkipCounters.zeros()
         in_step_space = jnp.zeros([], jnp.bool_)
-        return OneBitAdamState(count, mu, zeros_f32(params), comm, skipped, total, in_step_space)
+        return OneBitAdamState(count, mu, zeros_f32(params), comm, skips, in_step_space)
 
     def update_fn(updates, state, params=None):
         del params
@@ -270,16 +270,13 @@ def scale_by_onebit_adam(
         # After the freeze, each leaf's step is bounded in RMS (max_step_rms, see onebit_adam).
         step = jax.tree.map(lambda x: clip_step_rms(x, max_step_rms, frozen), step)
         direction = zeros_unless(ok, step)
-        skipped, skipped_total = count_skips(
-            ok, state.skipped, state.skipped_total, max_consecutive_skips, "onebit_adam"
-        )
+        skips = count_skips(ok, state.skips, max_consecutive_skips, "onebit_adam")
         new_state = OneBitAdamState(
             jnp.where(ok, t, state.count),
             mu,
             nu,
             comm,
-            skipped,
-            skipped_total,
+            skips,
             jnp.where(ok, jnp.asarray(frozen) & precondition, state.preconditioned),
         )
         return direction, new_state
@@ -349,7 +346,7 @@ def onebit_adam(
       Adam. Where the bound does not bind the factor is exactly 1 (the step is unchanged).
     * **non-finite steps are skipped**: if the mean gradient or momentum is not finite (a NaN
       or Inf on any device), nothing changes (moments kept; the collectives' guard keeps the
-      error feedback) and ``state.skipped`` / ``skipped_total`` count it; after more than
+      error feedback) and ``state.skips`` counts it; after more than
       ``max_consecutive_skips`` (16) in a row the step raises ``FloatingPointError``
       (inside JAX's runtime error). Like ``optax.apply_if_finite``, for every device at once.
       With several buckets (``bucket_bytes``) the skip is exact too: every bucket's error
@@ -433,7 +430,7 @@ def onebit_adam(
         if params is not None:
             d, _ = decay.update(d, decay.init(params), f32(params))
         lr = learning_rate_at(learning_rate, state.count)
-        applied = new_state.skipped == 0  # a skipped step moves nothing, not even weight decay
+        applied = new_state.skips.consecutive == 0  # a skipped step moves nothing, no decay
         out = jax.tree.map(lambda x: jnp.where(applied, -lr * x, jnp.zeros_like(x)), d)
         return cast_like(out, updates if params is None else params), new_state
 

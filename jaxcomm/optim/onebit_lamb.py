@@ -27,7 +27,8 @@ import optax
 
 from jaxcomm.comm.axes import AxisName
 from jaxcomm.comm.state import ReduceState, init_state
-from jaxcomm.compressors import Compressor, OneBit, keep_if
+from jaxcomm.compressors import Compressor, OneBit
+from jaxcomm.guard import SkipCounters, keep_if
 from jaxcomm.optim._common import (
     PyTree,
     cast_like,
@@ -67,8 +68,8 @@ class OneBitLambState(NamedTuple):
       scaling_coeff: per leaf, an fp32 scalar: the momentum scaling coefficient, 1 until the
         first compression update computes it.
       comm: error feedback of the 1-bit momentum all-reduce (per-device ``jc.ReduceState``).
-      skipped: consecutive updates skipped because they were not finite (int32).
-      skipped_total: all updates skipped so far (int32).
+      skips: the updates skipped because they were not finite, in a row and in all
+        (:class:`~jaxcomm.guard.SkipCounters`).
     """
 
     count: jax.Array
@@ -79,8 +80,7 @@ class OneBitLambState(NamedTuple):
     last_factor: PyTree
     scaling_coeff: PyTree
     comm: ReduceState
-    skipped: jax.Array
-    skipped_total: jax.Array
+    skips: SkipCounters
 
 
 def scale_by_onebit_lamb(
@@ -241,7 +241,7 @@ def onebit_lamb(
     would otherwise take ``m / eps`` steps), and so is the fresh denominator ``sqrt(v_fresh) +
     eps`` of the correction factor: a coordinate that never gets a gradient has ``v_fresh ~ 0``
     too, so the elementwise maximum would sit at ``floor / eps`` and pin the factor at
-    ``factor_max``. A non-finite step is skipped (state kept, ``skipped``/``skipped_total``
+    ``factor_max``. A non-finite step is skipped (state kept, ``state.skips``
     count it; more than ``max_consecutive_skips`` in a row raise).
 
     Options, off by default because they did not help on that task: ``bias_correction`` (``m /
@@ -419,8 +419,7 @@ def lamb_init(config: LambConfig, params: PyTree) -> OneBitLambState:
         last_factor=scalars(1.0),
         scaling_coeff=scalars(1.0),
         comm=comm,
-        skipped=jnp.zeros([], jnp.int32),
-        skipped_total=jnp.zeros([], jnp.int32),
+        skips=SkipCounters.zeros(),
     )
 
 
@@ -445,9 +444,7 @@ def lamb_update(config: LambConfig, scale, updates, state: OneBitLambState, para
     # A non-finite step (NaN/Inf in any device's gradient reaches the mean) is skipped:
     # moments, coefficients and factors stay, the collectives' guard kept the error feedback.
     ok = all_finite(mu, nu, nu_fresh, delta)
-    skipped, skipped_total = count_skips(
-        ok, state.skipped, state.skipped_total, config.max_consecutive_skips, "onebit_lamb"
-    )
+    skips = count_skips(ok, state.skips, config.max_consecutive_skips, "onebit_lamb")
     candidate = OneBitLambState(
         count=s.t,
         mu=mu,
@@ -457,14 +454,11 @@ def lamb_update(config: LambConfig, scale, updates, state: OneBitLambState, para
         last_factor=last_factor,
         scaling_coeff=scaling,
         comm=comm,
-        skipped=skipped,
-        skipped_total=skipped_total,
+        skips=skips,
     )
     comm = keep_error_feedback(
         ok, comm, state.comm, state.mu, config.compressor, config.bucket_bytes
     )
     candidate = candidate._replace(comm=comm)
-    old = state._replace(
-        comm=comm, skipped=candidate.skipped, skipped_total=candidate.skipped_total
-    )
+    old = state._replace(comm=comm, skips=candidate.skips)
     return zeros_unless(ok, delta), keep_if(ok, candidate, old)

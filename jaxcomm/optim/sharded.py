@@ -62,7 +62,8 @@ from jaxcomm.comm.scatter_gather import (
     shard_shapes,
 )
 from jaxcomm.comm.state import ScatterState, init_state, per_device
-from jaxcomm.compressors import Compressor, NoCompression, keep_if
+from jaxcomm.compressors import Compressor, NoCompression
+from jaxcomm.guard import SkipCounters, keep_if
 from jaxcomm.optim._common import check_compressor, resolve_axis_size, static_bucket_bytes
 from jaxcomm.optim._skip import all_finite, count_skips, on_every_device, zeros_unless
 
@@ -79,16 +80,15 @@ class ShardedState(NamedTuple):
       comm: error feedback of the compressed reduce-scatter (``jc.ScatterState``; no leaves for
         exact or feedback-free compressors).
       master: a :class:`MasterShards` when the gather is lossy, else ``()``.
-      skipped: int32 scalar: steps skipped in a row because the mean gradient or the update
-        was not finite (the same on every device: they skip together).
-      skipped_total: int32 scalar: all steps skipped so far.
+      skips: the steps skipped because the mean gradient or the update was not finite, in a
+        row and in all (:class:`~jaxcomm.guard.SkipCounters`, int32 scalars, the same on every
+        device: they skip together).
     """
 
     inner: PyTree
     comm: ScatterState
     master: MasterShards | tuple
-    skipped: jax.Array
-    skipped_total: jax.Array
+    skips: SkipCounters
 
 
 class MasterShards(NamedTuple):
@@ -211,8 +211,7 @@ def sharded(
                 jax.tree.map(jnp.zeros_like, shards) if unbound else shards,
                 jnp.asarray(not unbound),
             )
-        zero = jnp.zeros([], jnp.int32)
-        return ShardedState(tx.init(shards), comm, master, zero, zero)
+        return ShardedState(tx.init(shards), comm, master, SkipCounters.zeros())
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -258,9 +257,7 @@ def sharded(
         comm = keep_if(ok, comm, state.comm)
         if keep_master:
             master = keep_if(ok, master, MasterShards(own, valid))
-        skipped, total = count_skips(
-            ok, state.skipped, state.skipped_total, max_consecutive_skips, "sharded"
-        )
-        return zeros_unless(ok, delta), ShardedState(inner, comm, master, skipped, total)
+        skips = count_skips(ok, state.skips, max_consecutive_skips, "sharded")
+        return zeros_unless(ok, delta), ShardedState(inner, comm, master, skips)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -25,7 +25,8 @@ import optax
 
 from jaxcomm.comm.axes import AxisName, canonical_axis
 from jaxcomm.comm.state import ReduceState, init_state, per_device
-from jaxcomm.compressors import Compressor, OneBit, keep_if
+from jaxcomm.compressors import Compressor, OneBit
+from jaxcomm.guard import SkipCounters, keep_if
 from jaxcomm.optim._common import (
     PyTree,
     cast_like,
@@ -79,8 +80,8 @@ class ZeroOneAdamState(NamedTuple):
       var_updates: steps covered by the updates of ``nu`` so far, its bias correction is
         ``1 - b2^var_updates`` (each update covers ``var_interval`` steps with
         ``interval_weighted_variance``, else one).
-      skipped: consecutive updates skipped because they were not finite.
-      skipped_total: all updates skipped so far.
+      skips: the updates skipped because they were not finite, in a row and in all
+        (:class:`~jaxcomm.guard.SkipCounters`).
     """
 
     count: jax.Array
@@ -93,8 +94,7 @@ class ZeroOneAdamState(NamedTuple):
     local: LocalState
     comm: ReduceState
     var_updates: jax.Array
-    skipped: jax.Array
-    skipped_total: jax.Array
+    skips: SkipCounters
 
 
 #: Fractions of ``total_steps`` behind 0/1 Adam's run-length defaults (see :func:`schedule_for`).
@@ -224,8 +224,7 @@ def scale_by_zero_one_adam(
             local=LocalState(mu=zeros, u=zeros_f32(params)),
             comm=comm,
             var_updates=jnp.zeros([], jnp.int32),
-            skipped=jnp.zeros([], jnp.int32),
-            skipped_total=jnp.zeros([], jnp.int32),
+            skips=SkipCounters.zeros(),
         )
 
     def update_fn(updates, state, params=None):
@@ -271,9 +270,7 @@ def scale_by_zero_one_adam(
         # moments, local updates and schedules stay, the collectives' guard kept the error
         # feedback. A float sum over g (see all_finite); the mean's from its branch.
         ok = on_every_device(all_finite(g) & mean_ok, axis_name)
-        skipped, skipped_total = count_skips(
-            ok, state.skipped, state.skipped_total, max_consecutive_skips, "zero_one_adam"
-        )
+        skips = count_skips(ok, state.skips, max_consecutive_skips, "zero_one_adam")
         # The new variance first (kind 0 updates it from the exact mean; the denominators of
         # this step read it), written over nu in place.
         nu = jax.tree.map(
@@ -301,8 +298,7 @@ def scale_by_zero_one_adam(
             local=LocalState(mu=new_mu, u=new_u),
             comm=comm,
             var_updates=var_updates,
-            skipped=skipped,
-            skipped_total=skipped_total,
+            skips=skips,
             **intervals(state, t, frozen, var_step, scalers),
         )
         # Moments, variance and local updates already kept their old values when not ok;
@@ -311,8 +307,7 @@ def scale_by_zero_one_adam(
             nu=nu,
             local=candidate.local,
             comm=comm,
-            skipped=candidate.skipped,
-            skipped_total=candidate.skipped_total,
+            skips=candidate.skips,
         )
         new_state = keep_if(ok, candidate, old_scalars)
         return delta, new_state
@@ -400,7 +395,7 @@ def zero_one_adam(
     (:mod:`jaxcomm.comm.two_level`), and the local steps run on every device as on one axis.
 
     A non-finite step on any device is skipped on all of them (one int32 ``pmin`` per step, so
-    that local steps stay in step), counted in ``skipped``/``skipped_total``, and more than
+    that local steps stay in step), counted in ``state.skips``, and more than
     ``max_consecutive_skips`` in a row raise.
 
     Examples:

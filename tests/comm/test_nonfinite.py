@@ -205,6 +205,19 @@ def make_fallback_steps(mesh, comp, shapes, bucket_bytes=None):
     return plain, with_fallback, gstate
 
 
+def assert_same_mean(got, want, comp):
+    """Bit for bit; PowerSGD's within the rounding of its matmuls: its mean is ``P Q^T`` of
+    sums of up to ``k`` = 16 products (the longest side of FALLBACK_SHAPES), summed in an order
+    XLA:CPU picks per fusion, and the fusion depends on what consumes the mean (here the
+    finiteness test)."""
+    if not isinstance(comp, jc.PowerSGD):
+        np.testing.assert_array_equal(got, want)
+        return
+    k, eps = 16, np.finfo(np.float32).eps
+    bound = k * eps * max(1.0, float(np.max(np.abs(want), initial=0.0)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=bound)
+
+
 def tree_data(shapes, seed, bad=None):
     rng = np.random.default_rng(seed)
     tree = {k: rng.normal(size=(N, *s)).astype(np.float32) for k, s in shapes.items()}
@@ -226,7 +239,7 @@ def test_pmean_or_fallback_is_the_mean_or_the_fallback(mesh, comp, layout):
     got, got_state, finite_ = with_fallback(tree_data(shapes, 2), s1, keep)
     assert bool(finite_)
     for a, b in zip(host((got, got_state)), host((want, want_state)), strict=True):
-        np.testing.assert_array_equal(a, b)
+        assert_same_mean(a, b, comp)
     # Not finite on one device: every leaf is the fallback's, the state is the guard's.
     bad = tree_data(shapes, 2, bad=(sorted(shapes)[-1], 3, np.nan))
     got, got_state, finite_ = with_fallback(bad, s1, keep)

@@ -101,7 +101,7 @@ def test_steps_match_the_model():
             )
         # Parameters O(3): a weight-decay product and a sum a step, rounded differently.
         check_params(state.params, want, u, t, atol=4 * EPS * 4.0 * t)
-    assert int(state.opt_state.count) == 3 and int(state.opt_state.skipped_total) == 0
+    assert int(state.opt_state.count) == 3 and int(state.opt_state.skips.total) == 0
 
 
 def test_bf16_parameters():
@@ -167,7 +167,7 @@ def test_nonfinite_step_is_skipped():
         jax.tree.leaves(keep.opt_state.local), jax.tree.leaves(s2.opt_state.local), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert int(s2.opt_state.skipped) == 1 and int(s2.opt_state.skipped_total) == 1
+    assert int(s2.opt_state.skips.consecutive) == 1 and int(s2.opt_state.skips.total) == 1
     assert int(s2.opt_state.count) == 1
     after_skip, _ = step(s2, batch(3))
     direct, _ = step(keep, batch(3))
@@ -175,7 +175,7 @@ def test_nonfinite_step_is_skipped():
         jax.tree.leaves(after_skip.params), jax.tree.leaves(direct.params), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert int(after_skip.opt_state.skipped) == 0
+    assert int(after_skip.opt_state.skips.consecutive) == 0
 
 
 @pytest.mark.parametrize(
@@ -248,7 +248,7 @@ def test_reshard_averages_the_momenta_and_continues_as_the_model():
         mean = old.mean(axis=0).astype(np.float32)  # one rounding of the float64 mean
         for r in range(m):
             np.testing.assert_array_equal(got[r], mean, err_msg=name)
-    assert int(out.opt_state.count) == 2 and int(out.opt_state.skipped_total) == 0
+    assert int(out.opt_state.count) == 2 and int(out.opt_state.skips.total) == 0
 
     model4 = DemoModel(m, SHAPES, LR, beta=BETA, top_k=TOP_K, wd=WD)
     model4.m = {k: np.repeat(np.asarray(out.opt_state.local.mu[k])[:1], m, 0) for k in SHAPES}
@@ -302,4 +302,4 @@ def test_over_a_tuple_of_axes_a_replica_is_a_node():
                 err_msg=name,
             )  # fmt: skip
         check_params(state.params, want, u, t, atol=4 * EPS * 4.0 * t)
-    assert int(state.opt_state.skipped_total) == 0
+    assert int(state.opt_state.skips.total) == 0

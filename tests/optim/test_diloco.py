@@ -179,7 +179,7 @@ def test_exact_diloco_matches_numpy_over_several_syncs(mesh):
     state = run(mesh, make_tx(3), params, batches)
     theta, xs = numpy_diloco(params, batches, H=3, **HYPER)
     check_against(state, theta, xs)
-    assert int(state.opt_state.count) == 11 and int(state.opt_state.skipped_total) == 0
+    assert int(state.opt_state.count) == 11 and int(state.opt_state.skips.total) == 0
     # The reference's local copies differ between devices (2 steps since the last sync).
     assert not np.allclose(xs[0][1], xs[1][1])
 
@@ -325,9 +325,9 @@ def test_nonfinite_inner_step_is_skipped_on_its_device(mesh):
     state = run(mesh, make_tx(3), params, batches)
     theta, xs = numpy_diloco(params, batches, H=3, skip={(3, 3)}, **HYPER)
     check_against(state, theta, xs)
-    counts = np.asarray(state.opt_state.local.skipped_total)
+    counts = np.asarray(state.opt_state.local.skips.total)
     np.testing.assert_array_equal(counts, [0, 0, 0, 1, 0, 0, 0, 0])
-    assert int(state.opt_state.skipped_total) == 0
+    assert int(state.opt_state.skips.total) == 0
 
 
 def test_consecutive_nonfinite_steps_then_clean_ones(mesh):
@@ -340,9 +340,9 @@ def test_consecutive_nonfinite_steps_then_clean_ones(mesh):
     theta, xs = numpy_diloco(params, batches, H=3, skip={(3, 3), (4, 3), (5, 3)}, **HYPER)
     check_against(state, theta, xs)
     local = state.opt_state.local
-    np.testing.assert_array_equal(np.asarray(local.skipped_total), [0, 0, 0, 3, 0, 0, 0, 0])
-    np.testing.assert_array_equal(np.asarray(local.skipped), np.zeros(N))
-    assert int(state.opt_state.skipped_total) == 0 and int(state.opt_state.skipped) == 0
+    np.testing.assert_array_equal(np.asarray(local.skips.total), [0, 0, 0, 3, 0, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(local.skips.consecutive), np.zeros(N))
+    assert int(state.opt_state.skips.total) == 0 and int(state.opt_state.skips.consecutive) == 0
     int4 = run(mesh, make_tx(3, compressor=jc.Quantize(bits=4, error_feedback=True)), params,
                batches)  # fmt: skip
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(int4))
@@ -358,7 +358,7 @@ def test_more_consecutive_skips_than_allowed_stop_the_run(mesh):
         jax.block_until_ready(run(mesh, make_tx(3, max_consecutive_skips=2), params, batches))
     assert "max_consecutive_skips=2" in str(info.value)
     state = run(mesh, make_tx(3, max_consecutive_skips=3), params, batches)
-    np.testing.assert_array_equal(np.asarray(state.opt_state.local.skipped_total)[3], 3)
+    np.testing.assert_array_equal(np.asarray(state.opt_state.local.skips.total)[3], 3)
 
 
 @pytest.mark.parametrize("bucket_bytes", [None, 16], ids=["one-bucket", "bucket-per-leaf"])
@@ -382,8 +382,8 @@ def test_nonfinite_outer_gradient_skips_the_sync(mesh, bucket_bytes):
     before, after = states[3], states[4]
     assert len(after.opt_state.comm[0].buckets) == (1 if bucket_bytes is None else 2)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(after.params))
-    assert int(before.opt_state.skipped_total) == 0 and int(after.opt_state.skipped_total) == 1
-    assert int(after.opt_state.skipped) == 1  # in a row (max_consecutive_skips bounds it)
+    assert int(before.opt_state.skips.total) == 0 and int(after.opt_state.skips.total) == 1
+    assert int(after.opt_state.skips.consecutive) == 1  # in a row (max_consecutive_skips bounds it)
     np.testing.assert_array_equal(np.asarray(after.opt_state.comm[0].nonfinite), np.ones((N, 1)))
     for got, want in zip(
         jax.tree.leaves(
@@ -429,8 +429,8 @@ def test_local_copy_overflowed_by_a_finite_gradient_stops_the_run(mesh):
     params, batches = make_params(), make_batches(8)
     batches[1][1][3 * B] = 1e8  # device 3, step 2: a finite gradient near 1e8
     state = run(mesh, tx, params, batches[:4])
-    assert int(state.opt_state.skipped_total) == 1
-    counts = np.asarray(state.opt_state.local.skipped_total)
+    assert int(state.opt_state.skips.total) == 1
+    counts = np.asarray(state.opt_state.local.skips.total)
     np.testing.assert_array_equal(counts, [0, 0, 0, 2, 0, 0, 0, 0])
     _, xs = numpy_diloco(params, batches[:4], H=5, inner_lr=0.05, inner_mom=0.0, outer_lr=0.7,
                          outer_mom=0.0)  # fmt: skip

@@ -2,7 +2,7 @@
 
 Issue 13 item 4 / issue 15 item 3: a NaN (or Inf) gradient on one device for ``k`` consecutive
 steps, then clean steps, gives bit for bit the parameters of the run that never saw the bad
-steps (moments, error feedback and schedules kept; ``skipped_total`` counts them), and more than
+steps (moments, error feedback and schedules kept; ``state.skips`` counts them), and more than
 ``max_consecutive_skips`` in a row stop the run with a clear error.
 
 Issue 13 item 6: bf16 parameters and gradients, fp32 moments and error feedback; the bf16 run
@@ -51,7 +51,7 @@ def poisoned(step, value, device=3):
 
 def skip_counters(opt_state):
     s = opt_state
-    return np.asarray(s.skipped).reshape(-1)[0], np.asarray(s.skipped_total).reshape(-1)[0]
+    return np.asarray(s.skips.consecutive).reshape(-1)[0], np.asarray(s.skips.total).reshape(-1)[0]
 
 
 # Phased 1-bit Adam: in the step's space its mean is the new momentum, which the collective

@@ -133,7 +133,7 @@ def test_optimizer_state_memory_is_one_nth(mesh, capsys):
     # Plain: Adam's mu and nu, fp32, replicated, plus two int32 counts (Adam, compressed_mean).
     assert plain_b == 2 * 4 * numel + 8
     # Sharded: the same for the ceil(numel/n) shard of every leaf, plus Adam's count and the
-    # two int32 skip counters (skipped, skipped_total).
+    # two int32 skip counters (SkipCounters: consecutive, total).
     shard = sum(-(-p.size // N) for p in params.values())
     assert sharded_b == 2 * 4 * shard + 4 + 8
     assert shard - numel / N < len(params)  # padding: < 1 element per leaf

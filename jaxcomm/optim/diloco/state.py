@@ -19,6 +19,7 @@ import numpy as np
 from jaxcomm.comm.state import check_compressor as comm_check_compressor
 from jaxcomm.comm.state import per_device
 from jaxcomm.compressors import Compressor, NoCompression
+from jaxcomm.guard import SkipCounters
 
 PyTree = Any
 
@@ -31,18 +32,16 @@ class DiLoCoLocal(NamedTuple):
 
     Attributes:
       inner: the inner optimizer's state (its moments come from this device's gradients).
-      skipped: int32 scalar: inner steps skipped on this device in a row up to now (0 after
-        a step that was taken) because its gradient was not finite; ``max_consecutive_skips``
-        bounds it.
-      skipped_total: int32 scalar: all inner steps skipped on this device so far.
+      skips: the inner steps skipped on this device because its gradient was not finite, in
+        a row and in all (:class:`~jaxcomm.guard.SkipCounters`, int32 scalars);
+        ``max_consecutive_skips`` bounds the steps in a row.
       pending: with ``background=True``, per fragment, this device's pseudo-gradient
         ``theta_f - x_f`` of its latest sync (fp32 leaves), which the host side computes
         before step ``t_s + 1`` and reduces while the steps pass it on; ``()`` otherwise.
     """
 
     inner: PyTree
-    skipped: jax.Array
-    skipped_total: jax.Array
+    skips: SkipCounters
     pending: tuple = ()
 
 
@@ -57,10 +56,9 @@ class DiLoCoState(NamedTuple):
       outer: one outer-optimizer state per fragment (each over the fragment's list of leaves).
       inflight: per fragment, the reduced outer gradient waiting to be merged (a list of fp32
         leaves), or ``()`` when ``overlap_steps == 0``.
-      skipped: int32 scalar: outer steps skipped in a row up to now (0 after an outer step
-        that was taken) because the outer gradient or the new outer parameters were not
-        finite; ``max_consecutive_skips`` bounds it (as every jaxcomm optimizer's ``skipped``).
-      skipped_total: int32 scalar: all outer steps skipped so far.
+      skips: the outer steps skipped because the outer gradient or the new outer parameters
+        were not finite, in a row and in all (:class:`~jaxcomm.guard.SkipCounters`, int32
+        scalars); ``max_consecutive_skips`` bounds the steps in a row.
       devices: int8 zeros ``(n,)``: records the number of devices the per-device leaves were
         built for (checked at trace time; use :func:`resize_diloco_state` to change it).
       local: per-device :class:`DiLoCoLocal` (the inner optimizer state).
@@ -72,8 +70,7 @@ class DiLoCoState(NamedTuple):
     outer_params: PyTree
     outer: tuple
     inflight: tuple
-    skipped: jax.Array
-    skipped_total: jax.Array
+    skips: SkipCounters
     devices: jax.Array
     local: DiLoCoLocal
     comm: tuple

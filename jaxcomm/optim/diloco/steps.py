@@ -25,6 +25,7 @@ from jax import lax
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.axes import AxisName
+from jaxcomm.guard import SkipCounters, keep_if
 from jaxcomm.optim._common import resolve_axis_size, varying
 from jaxcomm.optim._skip import all_finite
 from jaxcomm.optim.diloco.state import DiLoCoState, check_int
@@ -98,18 +99,18 @@ def periodic(t, period: int, offset: int, delay: int):
 
 
 def make_outer_step(outer: optax.GradientTransformation, alpha, axis_name: AxisName):
-    """``outer_step(delta, theta, outer_state, local, counts) -> (theta, outer_state, local,
-    counts)`` over a fragment's lists of leaves (``counts``: outer steps skipped, in a row and
-    in all, as the state's ``skipped`` and ``skipped_total``)."""
+    """``outer_step(delta, theta, outer_state, local, skips) -> (theta, outer_state, local,
+    skips)`` over a fragment's lists of leaves (``skips``: the state's outer
+    :class:`~jaxcomm.guard.SkipCounters`)."""
     static_alpha_zero = isinstance(alpha, int | float) and float(alpha) == 0.0
     f32 = jnp.float32
 
-    def outer_step(delta, theta, outer_state, local, counts):
+    def outer_step(delta, theta, outer_state, local, skips: SkipCounters):
         updates, new_outer = outer.update(delta, outer_state, theta)
         new_theta = optax.apply_updates(theta, updates)
         finite = all_finite(delta, new_theta)
-        new_theta = [jnp.where(finite, a, b) for a, b in zip(new_theta, theta, strict=True)]
-        new_outer = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_outer, outer_state)
+        new_theta = keep_if(finite, new_theta, theta)
+        new_outer = keep_if(finite, new_outer, outer_state)
         if static_alpha_zero:
             merged = [th.astype(x.dtype) for th, x in zip(new_theta, local, strict=True)]
         else:
@@ -118,14 +119,9 @@ def make_outer_step(outer: optax.GradientTransformation, alpha, axis_name: AxisN
                 (a * x.astype(f32) + (1 - a) * th).astype(x.dtype)
                 for th, x in zip(new_theta, local, strict=True)
             ]
-        merged = [jnp.where(finite, m, x) for m, x in zip(merged, local, strict=True)]
-        streak, skipped = counts
-        counts = (
-            jnp.where(finite, 0, streak + 1).astype(jnp.int32),
-            skipped + jnp.where(finite, 0, 1).astype(jnp.int32),
-        )
+        merged = keep_if(finite, merged, local)
         merged = [ensure_varying(x, axis_name) for x in merged]
-        return new_theta, new_outer, merged, counts
+        return new_theta, new_outer, merged, skips.after(finite)
 
     return outer_step
 
@@ -135,7 +131,7 @@ def make_inner_step(
 ) -> Callable:
     """``inner_step(updates, inner_state, params, blocked) -> (ok, inner_updates, inner_state)``.
 
-    ``ok``: this device's gradient is finite (a float sum, see :func:`all_finite`); when it is
+    ``ok``: this device's gradient is finite (:func:`all_finite`); when it is
     not, ``inner_updates`` are zeros and ``inner_state`` the input's. ``blocked``: the inner
     state's leaves are the ``(1, ...)`` blocks of ``jc.local_view`` (the inner optimizer then
     runs under ``vmap`` over that axis, so it sees its usual shapes and XLA updates its donated
@@ -183,7 +179,7 @@ def make_inner_step(
         def selected(ok, updates, inner_state, params):
             new_updates, new_state = take(updates, inner_state, params)
             old = varying(inner_state, axis_name)
-            return new_updates, jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_state, old)
+            return new_updates, keep_if(ok, new_state, old)
 
         def conditional(ok, updates, inner_state, params):
             return lax.cond(ok, take, skip, updates, inner_state, params)

@@ -64,17 +64,17 @@ keeping per-device parameters. The model to evaluate is the outer one,
 
 Non-finite values: the state is kept and the skip counted. An inner step whose gradient is not
 finite on a device (a NaN or an Inf) is skipped on that device: its parameters and inner state
-are kept and its ``local.skipped_total`` counter goes up (no communication: the other devices step
+are kept and its ``local.skips`` count it (no communication: the other devices step
 on; the device's trajectory is that of a run in which it never saw those batches). A
 non-finite outer gradient (an overflowing sum or 1-bit scale, the outer optimizer) skips the
 fragment's sync: ``theta_f`` and its outer state are kept, the local copies are not merged and
-train on, and ``skipped_total`` counts it; the collective's own guard keeps the error feedback. An
+train on, and ``skips`` counts it; the collective's own guard keeps the error feedback. An
 inner update that overflows a local copy from a finite gradient (a diverging inner optimizer)
 leaves that copy non-finite: its following steps are skipped as above and the syncs skipped,
 until the streak check below stops the run (within ``max_consecutive_skips + 1 + sync_every``
-steps). More than ``max_consecutive_skips`` outer steps in a row (``skipped``),
+steps). More than ``max_consecutive_skips`` outer steps in a row (``skips.consecutive``),
 or a device still skipping at a sync after more than that many inner steps in a row
-(``local.skipped``, compared at the syncs: one int32 max with the outer reduction), stop
+(``local.skips.consecutive``, compared at the syncs: one int32 max with the outer reduction), stop
 the run with a ``FloatingPointError`` naming the limit (one host callback per step, as the
 1-bit optimizers; ``None`` turns both off): a device whose copy has run away, or whose data
 stays bad, does not train on silently.
@@ -91,6 +91,7 @@ from jaxcomm.comm.all_reduce import compressed_pmean
 from jaxcomm.comm.axes import AxisName, canonical_axis, split_levels
 from jaxcomm.comm.state import init_state
 from jaxcomm.compressors import Compressor
+from jaxcomm.guard import SkipCounters
 from jaxcomm.optim._common import varying
 from jaxcomm.optim._skip import all_finite, check_skips, keep_error_feedback
 from jaxcomm.optim.diloco.background import BackgroundSpec, BackgroundUpdate
@@ -256,13 +257,11 @@ def diloco(
             outer_params=theta,
             outer=tuple(outer.init(part) for part in parts),
             inflight=tuple([jnp.zeros_like(x) for x in part] for part in parts) if tau else (),
-            skipped=jnp.zeros([], jnp.int32),
-            skipped_total=jnp.zeros([], jnp.int32),
+            skips=SkipCounters.zeros(),
             devices=jnp.zeros((n,), jnp.int8),
             local=DiLoCoLocal(
                 inner.init(params),
-                jnp.zeros([], jnp.int32),
-                jnp.zeros([], jnp.int32),
+                SkipCounters.zeros(),
                 tuple([jnp.zeros_like(x) for x in part] for part in parts) if background else (),
             ),
             comm=tuple(
@@ -293,15 +292,14 @@ def diloco(
             updates = lax.pmean(updates, fast)
         # Per device: a step whose gradient is not finite is not taken (make_inner_step).
         ok, inner_updates, inner_state = inner_step(
-            updates, state.local.inner, params, jnp.ndim(state.local.skipped_total) == 1
+            updates, state.local.inner, params, jnp.ndim(state.local.skips.total) == 1
         )
         local = jax.tree.leaves(optax.apply_updates(params, inner_updates))
-        inner_total = state.local.skipped_total + jnp.where(ok, 0, 1).astype(jnp.int32)
-        in_a_row = jnp.where(ok, 0, state.local.skipped + 1).astype(jnp.int32)
+        inner_skips = state.local.skips.after(ok)
         theta = list(jax.tree.leaves(state.outer_params))
         t = state.count + 1
         outers, inflights, comms = list(state.outer), list(state.inflight), list(state.comm)
-        counts = (state.skipped, state.skipped_total)
+        counts = state.skips
         # Leaves that no outer step can change this step (known at trace time in a
         # phase-specialised inner step): their update is the inner update itself.
         inner_only = [True] * len(param_leaves)
@@ -377,10 +375,9 @@ def diloco(
             outer_params=jax.tree.unflatten(jax.tree.structure(state.outer_params), theta),
             outer=tuple(outers),
             inflight=tuple(inflights),
-            skipped=counts[0],
-            skipped_total=counts[1],
+            skips=counts,
             devices=state.devices,
-            local=DiLoCoLocal(inner_state, in_a_row, inner_total, state.local.pending),
+            local=DiLoCoLocal(inner_state, inner_skips, state.local.pending),
             comm=tuple(comms),
         )
         if max_consecutive_skips is not None:
@@ -395,9 +392,9 @@ def diloco(
                 phase(jnp.any(values), steady=steady),
                 lambda x: lax.pmax(x, axis_name),
                 lambda x: jnp.zeros([], jnp.int32),
-                in_a_row.reshape(()),
+                inner_skips.consecutive.reshape(()),
             )
-            check_skips(jnp.maximum(worst, counts[0]), max_consecutive_skips, "diloco")
+            check_skips(jnp.maximum(worst, counts.consecutive), max_consecutive_skips, "diloco")
         return new_updates, new_state
 
     if not background:

@@ -187,14 +187,14 @@ def demo(
     from ``optax.add_decayed_weights(wd)`` before that scale (``lr (sign(U) + wd p)``).
 
     Wire (measured from the compiled HLO in the tests): in a 64 x 64 tile at ``top_k=32`` the
-    offsets take 288 bits (Elias-Fano), so a kept value costs 9 bits plus its value, **5.125
-    bytes** in fp32 (3.125 in bf16), sent to each of the ``n - 1`` other devices; the reference
-    sends an int64 index with each value (12 bytes in fp32). Against the fp32 ring all-reduce
-    (``2 (n - 1)/n x 4`` bytes per element) such a tile costs ``2 x 4 x 4096 / (n x 32 x
-    5.125)`` times less: 100x at ``n = 2``, 25x at ``n = 8`` (each device receives every other
-    device's message). Vectors' chunks keep up to ``top_k`` of their ``chunk_size``
-    coefficients (half, at the defaults: a 64-bit mask and 32 values, 4.25 bytes a value in
-    fp32) and save little.
+    offsets take 288 bits (Elias-Fano), so a kept value costs 9 bits plus its value: **5.125
+    bytes a value** in fp32 (3.125 in bf16), sent to each of the ``n - 1`` other devices; the
+    reference sends an int64 index with each value (12 bytes a value in fp32). Against the fp32
+    ring all-reduce (``2 (n - 1)/n x 4`` bytes per element) such a tile costs
+    ``2 x 4 x 4096 / (n x 32 x 5.125)`` times less, ``100`` at ``n = 2`` and ``25`` at ``n = 8``
+    (each device receives every other device's message). Vectors' chunks keep up to ``top_k``
+    of their ``chunk_size`` coefficients (half, at the defaults: a 64-bit mask and 32 values,
+    4.25 bytes a value in fp32) and save little.
 
     Defaults (``top_k=32``, ``chunk_size=64``, ``compression_decay=0.999``) are the reference
     code's and the setting the README's pick table measured, with ``learning_rate=3e-3``

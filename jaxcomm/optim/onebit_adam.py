@@ -317,8 +317,9 @@ def onebit_adam(
     (tested against a NumPy model of them):
 
     * **bias correction** (DeepSpeed has none): ``m / (1 - b1^t)``, ``v / (1 - b2^tv)``. Without
-      it the variance frozen after ``T`` warm-up steps is ``1 - b2^T`` of its value (11% at
-      ``T = 115``), so every compressed step is about 3x Adam's.
+      it the variance frozen after ``T`` warm-up steps is ``1 - b2^T`` of its value
+      (``1 - 0.999^115 = 0.11`` at ``T = 115``), so every compressed step is about
+      ``1 / sqrt(0.11) = 3`` times Adam's.
     * **variance floor**: after the freeze the denominator is ``max(sqrt(v_hat), variance_floor
       * sqrt(mean_leaf(v_hat))) + eps`` per leaf. Coordinates whose gradient was (near) zero
       during the warm-up (embedding rows of tokens never or rarely seen, the key part of an

@@ -40,7 +40,8 @@ leaf, plus any scalars the inner state keeps (its step count, once per device).
 
 Bytes per device per step, ring model, fp32 parameters of ``N`` elements: exact scatter + gather
 ``2 (n-1)/n * 4N``, the same as the all-reduce of plain data parallelism; with int8 gradients
-and int8 weights about ``2 (n-1)/n * N`` (plus one fp32 scale per block), 4x less.
+and int8 weights about ``2 (n-1)/n * N`` (plus one fp32 scale per block): about 4x fewer
+bytes than fp32.
 """
 
 from __future__ import annotations

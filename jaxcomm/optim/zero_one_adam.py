@@ -111,8 +111,9 @@ def schedule_for(
     ``total_steps``, else DeepSpeed's constants (100000 and 32678, made for 100k+-step runs).
 
     From ``total_steps = T``: ``var_freeze_step = round(0.15 T)`` (the variance freezes after
-    the same share of the run as 1-bit Adam's 15% warm-up) and ``local_step_scaler =
-    round(var_freeze_step / 3)`` (DeepSpeed's own ratio, 32678 / 100000), at least 1.
+    the same share of the run as 1-bit Adam's warm-up given ``total_steps``) and
+    ``local_step_scaler = round(var_freeze_step / 3)`` (DeepSpeed's own ratio, 32678 / 100000),
+    at least 1.
     """
     if total_steps is not None:
         total = int(total_steps)
@@ -363,8 +364,9 @@ def zero_one_adam(
 
     Safe defaults (``deepspeed_compat=True`` restores DeepSpeed's rules exactly, including
     ``local_step_clipper=16``; both rule sets are tested against NumPy models), chosen on the
-    byte-level transformer LM of ``benchmarks/convergence.py`` (8 and 2 devices, the variance
-    frozen at 5-15% of 384-768 steps; the script prints the comparison):
+    byte-level transformer LM of ``benchmarks/convergence.py``
+    (``--devices 2,8 --warmup 0.05,0.15``, runs of 384 to 768 steps; the script prints the
+    comparison):
 
     * ``local_step_clipper = 2`` (DeepSpeed: 16), the largest interval between
       synchronisations. Local steps cost loss in proportion to their interval and buy little

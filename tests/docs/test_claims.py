@@ -1,18 +1,23 @@
 """Every measured number a user reads has a source next to it.
 
 A *claim* is a number with a unit or a ratio (``5.7x``, ``+19.0%``, ``8.4 MB``, ``0.67 s``,
-``10 minutes``) or "hundreds of times". In README.md, docs/**/*.md and the comments and
-docstrings of examples/*.py, each claim must sit in a paragraph (or list item, or table) that
-names its source: a results file under ``benchmarks/results/`` that exists, or inside a block
-rendered from one (``<!-- BEGIN generated: ... -->``, see ``benchmarks/render_tables.py``) or
-quoted from one (``<!-- BEGIN sourced: benchmarks/results/FILE -->`` ... ``<!-- END sourced
--->``, whose every claimed number must appear in that file). Inline code, indented code
-blocks and the code of fenced blocks are settings or formulas, not claims (the comments of
-fenced blocks are read). A few numbers are definitions, not measurements, and are allowed
-anywhere: ``ALLOWED``.
+``10 minutes``) or "hundreds of times". In README.md, docs/**/*.md, the comments and
+docstrings of examples/*.py and the docstrings of the library (``jaxcomm/``, rendered as the
+API reference; not the command line's), each claim must sit in a paragraph (or list item, or
+table) that names its source: a results file under ``benchmarks/results/`` that exists, or
+inside a block rendered from one (``<!-- BEGIN generated: ... -->``, see
+``benchmarks/render_tables.py``) or quoted from one (``<!-- BEGIN sourced:
+benchmarks/results/FILE -->`` ... ``<!-- END sourced -->``, whose every claimed number must
+appear in that file). Inline code, indented code blocks and the code of fenced blocks are
+settings or formulas, not claims (the comments of fenced blocks are read); in docstrings, so
+are the ``>>>`` examples with their output, and the indented blocks in a Google-style text
+section (``Examples:``, ``Note:``). A few numbers are definitions, not measurements, and are
+allowed anywhere: ``ALLOWED``.
 """
 
+import ast
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+LIBRARY = sorted(
+    p for p in (ROOT / "jaxcomm").rglob("*.py") if "cli" not in p.relative_to(ROOT).parts[:2]
+)
 
 NUMBER = r"\d+(?:[.,]\d+)*"
 RANGE = rf"[+-]?{NUMBER}(?:\s*(?:-|to)\s*{NUMBER})?"
@@ -38,15 +46,16 @@ ALLOWED = [
     r"\b\d+(?:\.\d+)? (?:Gbit|Mbit)/s\b",  # a link's rate: the set-up of a measurement
     r"\b\d+ ?(?:bits?|-bit)\b",  # a format's width (int8, 4 bits)
     r"\b\d+(?:\.\d+)? ?[KMG]iB\b",  # a buffer or bucket size (a setting)
-    r"\b\d+ bytes? (?:an?|per) (?:element|value|scale)\b",  # a format's width
+    r"\b\d+(?:\.\d+)? bytes? (?:an?|per) (?:element|value|scale)\b",  # a format's width
     r"\b512-byte\b",
     r"\b\d+x\d+(?:x\d+)?\b",  # a shape or a topology (2x2, 64x64)
+    r"\b\d+ x \d+ (?:tiles?|blocks?)\b",  # a tile's shape (64 x 64 tile)
 ]
 
 GENERATED = re.compile(r"<!-- BEGIN generated: ([\w-]+) .*?<!-- END generated: \1 -->", re.S)
 SOURCED = re.compile(r"<!-- BEGIN sourced: (\S+) -->(.*?)<!-- END sourced -->", re.S)
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
-INLINE_CODE = re.compile(r"`[^`\n]*`")
+INLINE_CODE = re.compile(r"``[^`]+?``|`[^`\n]*`")  # ``code`` may wrap a line
 SOURCE = re.compile(r"benchmarks/results/([\w./-]+\.(?:json|md))")
 
 
@@ -103,7 +112,7 @@ def unsourced_claims(text: str) -> list[tuple[int, str]]:
         sources = SOURCE.findall(para)
         if sources and all((ROOT / "benchmarks" / "results" / s).exists() for s in sources):
             continue
-        prose = INLINE_CODE.sub(" ", para)
+        prose = re.sub(r"\s+", " ", INLINE_CODE.sub(" ", para))  # a wrapped line is one space
         for allowed in ALLOWED:
             prose = re.sub(allowed, " ", prose)
         claims = [m.group(0) for m in CLAIM.finditer(prose)] + VAGUE.findall(prose)
@@ -119,6 +128,72 @@ def example_prose(path: Path) -> str:
     return "\n\n".join(docstrings + comments)
 
 
+# Google-style sections: mkdocstrings renders the body of a text section as markdown, dedented,
+# and the entries of a list section (one name each) as prose.
+TEXT_SECTION = re.compile(r"(?:Examples?|Notes?|References|See Also|Warnings?):\s*")
+LIST_SECTION = re.compile(
+    r"(?:Args|Arguments|Attributes|Keyword Args|Methods|Other Parameters|Parameters|Raises|"
+    r"Returns|Yields):\s*"
+)
+
+
+def docstring_text(raw: str) -> str:
+    """A docstring as the markdown a reader sees, one line per source line: dedented like
+    ``inspect.cleandoc`` (keeping leading blank lines), each Google-style section's body
+    dedented (a text section's by one level, so that an indented block in it reads as code; a
+    list section's entries entirely), and the ``>>>`` examples with their output (up to a
+    blank line) blanked."""
+    first, *rest = raw.expandtabs().split("\n")
+    lines = [first.strip(), *textwrap.dedent("\n".join(rest)).split("\n")]
+    # body: None (no section), "list", "next" (a text section's header) or its body's indent
+    out, body, example = [], None, False
+    for line in lines:
+        indent = len(line) - len(line.lstrip())
+        if LIST_SECTION.fullmatch(line):
+            body = "list"
+        elif TEXT_SECTION.fullmatch(line):
+            body = "next"
+        elif line.strip() and indent == 0:
+            body = None
+        elif line.strip() and body == "next":
+            body = indent
+        if body == "list":
+            line = line.lstrip()
+        elif isinstance(body, int) and not line[:body].strip():
+            line = line[body:]
+        if not line.strip():
+            example = False
+        elif line.lstrip().startswith(">>>"):
+            example = True
+        out.append("" if example else line)
+    return "\n".join(out)
+
+
+def docstrings(path: Path) -> list[tuple[int, str]]:
+    """(line of the opening quotes, text as :func:`docstring_text`) of the module's, classes',
+    functions' and methods' docstrings."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        first = node.body[0] if node.body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+            if isinstance(first.value.value, str):
+                found.append((first.lineno, docstring_text(first.value.value)))
+    return found
+
+
+def unsourced_docstring_claims(path: Path) -> list[str]:
+    """``path:line: claim`` for each unsourced claim of the docstrings of ``path`` (``line``:
+    the first of the claim's paragraph)."""
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return [
+        f"{where}:{start + line - 1}: {claim}"
+        for start, text in docstrings(path)
+        for line, claim in unsourced_claims(text)
+    ]
+
+
 @pytest.mark.parametrize("page", PAGES + EXAMPLES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_number_has_a_source(page):
     text = example_prose(page) if page.suffix == ".py" else page.read_text()
@@ -127,6 +202,52 @@ def test_every_number_has_a_source(page):
         f"{page.relative_to(ROOT)}: numbers with no results file in their paragraph "
         f"(link benchmarks/results/..., or remove them): {found}"
     )
+
+
+@pytest.mark.parametrize("module", LIBRARY, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_number_in_a_docstring_has_a_source(module):
+    found = unsourced_docstring_claims(module)
+    assert not found, (
+        "numbers in docstrings with no results file in their paragraph (name the "
+        "benchmarks/results/... file that holds them there, or remove them):\n"
+        + "\n".join(found)
+    )
+
+
+def test_unsourced_numbers_in_docstrings_are_caught(tmp_path):
+    module = tmp_path / "mod.py"
+    module.write_text(
+        '"""A module.\n\nCompressed, it is 5.7x faster.\n"""\n\n\n'
+        "def f(x):\n"
+        '    """Sum.\n\n    Args:\n      x: an array (sums 3 GB/s).\n\n'
+        "          Its second paragraph: 8.4 MB.\n\n"
+        "    Examples:\n      >>> f(1)\n      2.5x\n\n"
+        '      It takes 10 minutes.\n    """\n'
+        "\n\nclass C:\n"
+        '    def g(self):\n        """``8.4 MB`` of code; 0.67 s measured."""\n'
+    )
+    assert unsourced_docstring_claims(module) == [
+        f"{module}:3: 5.7x",
+        f"{module}:10: 3 GB",
+        f"{module}:13: 8.4 MB",
+        f"{module}:19: 10 minutes",
+        f"{module}:25: 0.67 s",
+    ]
+
+
+def test_sourced_and_defined_numbers_in_docstrings_pass(tmp_path):
+    module = tmp_path / "mod.py"
+    module.write_text(
+        'def f(x):\n    """Sum.\n\n'
+        "    DeMo sent 55.4x fewer bytes\n"
+        "    (``benchmarks/results/time_to_loss_small_100mbit.json``).\n\n"
+        "    Bytes: ``2 (n-1)/n * 2 N``, 2x fewer bytes than fp32; over the 8\n"
+        "    bits of a row; a 64 x 64 tile.\n\n"
+        "    Examples:\n      >>> 2 * 3\n      6 s\n\n"
+        "      A formula::\n\n          t = 5 ms x 3\n"
+        '    """\n'
+    )
+    assert unsourced_docstring_claims(module) == []
 
 
 @pytest.mark.parametrize(

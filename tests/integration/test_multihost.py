@@ -14,7 +14,11 @@ small tanh MLP with ``jc.make_train_step``, each process passing its own rows of
   over ``"dp"`` and over ``("host", "local")``: checked against full-batch gradient descent
   computed here in NumPy (float64);
 * ``onebit_flat`` / ``onebit_tuple``: ``jc.onebit_adam`` past its warm-up: both processes hold
-  the same parameters bit for bit, and the full-batch loss (NumPy) decreases.
+  the same parameters bit for bit, and the full-batch loss (NumPy) decreases;
+* ``diloco_tuple`` / ``diloco_tuple_bg``: Streaming DiLoCo over ``("host", "local")`` (int4
+  outer gradients with error feedback), its syncs in the step programs and in the background
+  (device programs around the host links, which cross between the processes): the same state
+  bit for bit, on each process, and the same outer parameters on both.
 
 ``jc.init_distributed()`` is also started from SLURM's and Open MPI's variables alone (two plain
 processes on 127.0.0.1): each finds its rank, the coordinator and all of its 4 devices.
@@ -52,9 +56,13 @@ SGD_STEPS = 5
 ONEBIT_LR = 0.02
 ONEBIT_FREEZE = 2
 ONEBIT_STEPS = 12
-TIMEOUT_S = 180  # the whole run; it takes ~20-40 s on 2 shared cores
+DILOCO_STEPS = 12  # H=6, F=2, tau=2: syncs issued before steps 4, 7 and 10, none in flight at 12
+TIMEOUT_S = 240  # the whole run; it takes ~40-80 s on 2 shared cores
 
-CASES = ("exact_flat", "exact_tuple", "onebit_flat", "onebit_tuple")
+CASES = (
+    *("exact_flat", "exact_tuple", "onebit_flat", "onebit_tuple"),
+    *("diloco_tuple", "diloco_tuple_bg"),
+)
 TUPLE = ("host", "local")
 
 
@@ -167,6 +175,32 @@ def worker(out_dir: str) -> None:
     for name, m, axis in (("onebit_flat", flat, "dp"), ("onebit_tuple", mesh, TUPLE)):
         tx = jc.onebit_adam(ONEBIT_LR, freeze_step=ONEBIT_FREEZE, axis_name=axis)
         run(name, m, axis, tx, ONEBIT_STEPS)
+
+    for name, background in (("diloco_tuple", False), ("diloco_tuple_bg", True)):
+        try:
+            tx = jc.diloco(
+                optax.adam(0.02),
+                optax.sgd(0.7, momentum=0.9, nesterov=True),
+                6,
+                TUPLE,
+                compressor=jc.Quantize(bits=4, error_feedback=True),
+                fragments=2,
+                overlap_steps=2,
+                background=background,
+            )
+            step, state = jc.make_train_step(mesh, TUPLE, loss_fn, tx, init_params())
+            for s in range(DILOCO_STEPS):
+                state, _ = step(state, process_rows(global_batch(s), rank))
+            opt = state.opt_state
+            state = state._replace(opt_state=opt._replace(local=opt.local._replace(pending=())))
+            for i, leaf in enumerate(jax.tree.leaves(state)):  # this process's shards
+                results[f"{name}/leaf{i}"] = np.stack([s.data for s in leaf.addressable_shards])
+            for k, leaf in jc.diloco_params(opt).items():
+                results[f"{name}/theta_{k}"] = np.asarray(leaf.addressable_data(0))
+            sent = step.background._links.sent_bytes if background else 0
+            results[f"{name}/sent"] = np.array(sent)
+        except Exception:
+            errors[name] = traceback.format_exc(limit=4)
 
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
     Path(out_dir, f"rank{rank}.errors").write_text(
@@ -399,6 +433,24 @@ def test_onebit_adam_flat_axis_processes_agree_and_learn(ranks):
 
 def test_onebit_adam_tuple_axis_processes_agree_and_learn(ranks):
     _check_onebit(ranks, "onebit_tuple")
+
+
+def test_background_diloco_over_the_tuple_is_the_step_programs_bit_for_bit(ranks):
+    """Each process's shards of the whole state (parameters, outer and inner states, error
+    feedback) are the same with the syncs in the background as in the step programs; the
+    background's wires did cross to the other process; the outer parameters agree across
+    processes."""
+    cases = _case(ranks, "diloco_tuple"), _case(ranks, "diloco_tuple_bg")
+    for rank, (want, got) in enumerate(zip(*cases, strict=True)):
+        leaves = [k for k in want if k.startswith("leaf")]
+        assert sorted(leaves) == sorted(k for k in got if k.startswith("leaf"))
+        for k in leaves:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"rank {rank} {k}")
+        assert int(got["sent"]) > 0 and int(want["sent"]) == 0
+    (a, b) = cases[1]
+    for k in init_params():
+        np.testing.assert_array_equal(a[f"theta_{k}"], b[f"theta_{k}"], err_msg=k)
+        assert np.max(np.abs(a[f"theta_{k}"] - init_params()[k])) > 1e-3, k  # it trained
 
 
 def _launcher_env(launcher: str, rank: int, port: int) -> dict[str, str]:

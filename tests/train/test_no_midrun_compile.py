@@ -207,3 +207,20 @@ def test_compile_all_refuses_bad_input(mesh):
         step.compile_all(abstract, shapes)
     with pytest.raises(TypeError, match="precompile is a bool"):
         jc.make_train_step(mesh, "dp", loss_fn, optax.sgd(LR), params, precompile=1)
+
+
+@pytest.mark.parametrize(
+    "compressor", [None, jc.Quantize(bits=4, error_feedback=True)], ids=["exact", "int4-ef"]
+)
+def test_background_diloco_over_a_tuple_compiles_every_program_on_the_first_call(compressor):
+    # 2 "hosts" of 4 devices: the sync's programs reduce-scatter over "local" and take the
+    # wires gathered across "host" split over "local"; compiled before step 1 like the rest.
+    axes = ("host", "local")
+    mesh = jax.make_mesh((2, N // 2), axes, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tx = jc.diloco(
+        optax.adam(LR), optax.sgd(0.7), 3, axes, compressor, overlap_steps=2, background=True
+    )
+    params, batch = problem()
+    step, state = jc.make_train_step(mesh, axes, loss_fn, tx, params)
+    state, seen, compiles, counted = run(step, state, batch, 8)
+    assert (compiles, counted) == (0, 0) and len(set(seen)) == 3

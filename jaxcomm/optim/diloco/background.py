@@ -18,7 +18,12 @@ which ``jc.make_train_step`` attaches to the step it returns, runs each sync bes
    as the single-program ``overlap_steps=tau`` does: the same parameters, bit for bit.
 
 The same design runs on every backend: device programs for the arithmetic, the host network for
-the bytes (as cross-datacenter trainers do). The wire must finish within ``tau`` inner steps to
+the bytes (as cross-datacenter trainers do). Over a tuple of axes, slowest first
+(``("host", "local")``), the exact steps over the fast axes stay in the device programs and the
+host network carries only the compressed shares across the slow axis: each position of the slow
+axis must then lie on one process (the mesh ``jax.make_mesh((processes, local_devices),
+("host", "local"))`` does), and each process sends one message per peer and exchange, its
+devices' shares together. The wire must finish within ``tau`` inner steps to
 be hidden; a later one makes step ``t_s + tau`` wait for it.
 
 Checkpoints: the state between ``t_s + 1`` and ``t_s + tau`` holds the pending pseudo-gradients
@@ -42,6 +47,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm.comm.axes import AxisName, split_levels
 from jaxcomm.comm.state import ReduceState
 from jaxcomm.compressors import Compressor, TwoStageState
 from jaxcomm.optim.diloco.programs import FragmentPrograms
@@ -67,7 +73,7 @@ class BackgroundSpec(NamedTuple):
     """What the host side needs to know of a ``jc.diloco(..., background=True)``."""
 
     compressor: Compressor
-    axis_name: str
+    axis_name: AxisName
     bucket_bytes: int | None
     sync_every: int
     fragments: int
@@ -157,11 +163,15 @@ class BackgroundSync:
     stops the thread and closes the links.
     """
 
-    def __init__(self, update: BackgroundUpdate, mesh, axis_name: str) -> None:
+    def __init__(self, update: BackgroundUpdate, mesh, axis_name: AxisName) -> None:
         spec = update.spec
         update.driver = self
         self.spec, self.mesh = spec, mesh
-        self.n = int(mesh.shape[axis_name])
+        # The sync runs over its transformation's axes (``axis_name``, the step's, are alike).
+        slow, fast = split_levels(spec.axis_name)
+        # L: the devices of one position of the slow axis (positions s L + l of the per-device
+        # arrays), whose wires travel together, one message per peer.
+        self.fast_size = int(np.prod([mesh.shape[a] for a in fast], dtype=np.int64))
         self.offsets = fragment_offsets(spec.sync_every, spec.fragments)
         self._links = HostLinks(spec.sync_timeout)
         self._runner = SyncRunner()
@@ -171,18 +181,20 @@ class BackgroundSync:
         self._count = 0
         self._failed = False
         _live.add(self)
-        axis = list(mesh.axis_names).index(axis_name)
-        devices = np.moveaxis(mesh.devices, axis, 0).reshape(self.n, -1)
+        axis = list(mesh.axis_names).index(slow)
+        devices = np.moveaxis(mesh.devices, axis, 0).reshape(mesh.shape[slow], -1)
         owners = [{d.process_index for d in row} for row in devices]
         if any(len(o) != 1 for o in owners):
             raise ValueError(
-                "jaxcomm: diloco(background=True) needs each position of the data axis on one "
-                "process (a mesh whose other axes do not span processes)"
+                f"jaxcomm: diloco(background=True) over {spec.axis_name!r} moves the outer "
+                f"gradient between processes along {slow!r} only, so it needs each position of "
+                f"{slow!r} on one process (its other axes within the process): build the mesh "
+                f"as jax.make_mesh((processes, local devices), {('host', 'local')!r}), or use "
+                "background=False"
             )
-        self.owner = [next(iter(o)) for o in owners]
+        self.owner = [next(iter(o)) for o in owners]  # the process of each slow position
         self.me = jax.process_index()
-        self.replicated = NamedSharding(mesh, P())
-        self.split = NamedSharding(mesh, P(axis_name))
+        self.split = NamedSharding(mesh, P(spec.axis_name))
 
     # -- the step's hooks ---------------------------------------------------------------------
 
@@ -238,12 +250,7 @@ class BackgroundSync:
         if f not in self._programs:
             shapes = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in pending]
             self._programs[f] = FragmentPrograms(
-                self.spec.compressor,
-                self.spec.axis_name,
-                self.spec.bucket_bytes,
-                self.mesh,
-                shapes,
-                self.n,
+                self.spec.compressor, self.spec.axis_name, self.spec.bucket_bytes, self.mesh, shapes
             )
         return self._programs[f]
 
@@ -289,6 +296,21 @@ class BackgroundSync:
                     rows.setdefault(pos, []).append(np.asarray(shard.data)[0])
         return rows
 
+    def _by_slow(self, rows: dict[int, list[np.ndarray]], axis: int):
+        """Each slow position's arrays: its ``L`` devices' rows (positions ``s L + l``) stacked
+        on ``axis``, so that one message per peer carries them all."""
+        size = self.fast_size
+        out = {}
+        for s in sorted({pos // size for pos in rows}):
+            parts = [rows[s * size + i] for i in range(size)]
+            out[s] = [
+                np.expand_dims(parts[0][k], axis)
+                if size == 1
+                else np.stack([part[k] for part in parts], axis)
+                for k in range(len(parts[0]))
+            ]
+        return out
+
     def _exchange(self, programs: FragmentPrograms, wires, workers, kept):
         try:
             return self._exchange_once(programs, wires, workers, kept)
@@ -297,20 +319,27 @@ class BackgroundSync:
             raise
 
     def _exchange_once(self, programs: FragmentPrograms, wires, workers, kept):
+        size = self.fast_size
         flat, treedef = jax.tree.flatten(wires)
-        received = all_to_all(self._links, self._rows(flat), self.owner, self.me)
+        # Row q of device (s, l) goes to device (q, l): rows (S, L, ...) per slow position.
+        received = all_to_all(self._links, self._by_slow(self._rows(flat), 1), self.owner, self.me)
 
         def per_position(i, ref):
-            return jax.make_array_from_callback(
-                ref.shape, self.split, lambda idx: received[idx[0].start or 0][i][None]
-            )
+            def row(idx):
+                pos = idx[0].start or 0
+                return received[pos // size][i][:, pos % size][None]
+
+            return jax.make_array_from_callback(ref.shape, self.split, row)
 
         received = jax.tree.unflatten(treedef, [per_position(i, x) for i, x in enumerate(flat)])
         wires, servers = programs.server(received, kept)
         flat, treedef = jax.tree.flatten(wires)
-        gathered = all_gather(self._links, self._rows(flat), self.owner, self.me)
+        # (S, L, ...) over the slow positions; finish takes (S, ...), or (L, S, ...) over a tuple.
+        gathered = all_gather(self._links, self._by_slow(self._rows(flat), 0), self.owner, self.me)
+        gathered = [np.swapaxes(g, 0, 1) for g in gathered]
+        gathered = [g if programs.plan.fast else g[0] for g in gathered]
         gathered = [
-            jax.make_array_from_callback(g.shape, self.replicated, lambda idx, g=g: g[idx])
+            jax.make_array_from_callback(g.shape, programs.gathered, lambda idx, g=g: g[idx])
             for g in gathered
         ]
         gathered = jax.tree.unflatten(treedef, gathered)

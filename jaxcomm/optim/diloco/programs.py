@@ -14,6 +14,14 @@ arithmetic the in-program all-reduce runs), one bucket at a time; each program i
 * ``finish(gathered, workers, servers, kept)``: the decoding with the non-finite guard's
   verdict, and the error feedback it settles.
 
+Over a tuple of axes, slowest first (``("host", "local")``), the programs are the in-program
+two-level transport's (:mod:`jaxcomm.comm.two_level`) cut at its slow-axis exchanges: ``issue``
+and ``worker`` reduce-scatter each bucket exactly over the fast axes (device ``(s, l)`` keeps
+share ``l`` of its node's mean) and run the worker stage on that share for the ``S`` positions
+of the slow axis; ``server`` is unchanged; ``finish`` decodes the share from the wires gathered
+across the slow axis (one set per fast position, split over the fast axes) and all-gathers the
+shares exactly over the fast axes. Only the share's wires leave the device programs.
+
 Only what the later stages read of the old state is copied at the worker stage (the server
 residuals, the non-finite count and the worker payloads' finiteness probes: the next step
 donates the state); the old worker residuals stay in the state, where the host finds them when
@@ -23,6 +31,7 @@ whole sync: every bucket keeps its error feedback (DiLoCo's skipped sync).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -30,7 +39,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomm.comm.axes import split_levels
 from jaxcomm.comm.state import ReduceState, plan_tree
+from jaxcomm.comm.two_level import gather_shares, scatter_share
 from jaxcomm.compressors import (
     Compressor,
     StagedCodec,
@@ -41,6 +52,7 @@ from jaxcomm.compressors import (
     worker_stage,
 )
 from jaxcomm.compressors.buckets import Bucket, ceil_div, flatten_bucket, unflatten_bucket
+from jaxcomm.optim._skip import all_finite
 
 
 def check_staged(compressor: Compressor | None) -> None:
@@ -62,18 +74,28 @@ class Plan(NamedTuple):
     codec: StagedCodec
     buckets: tuple[Bucket, ...]
     layouts: tuple[tuple[int, int], ...]  # (blocks B, length L) of each bucket's chunk
+    fast: tuple[str, ...] = ()  # the fast axes of a tuple (exact), () over one axis
+    fast_size: int = 1
 
     @property
     def guarded(self) -> bool:
         """Error feedback: the residuals go through the non-finite guard."""
         return self.codec.error_feedback
 
+    def share_numel(self, bucket: Bucket) -> int:
+        """What the slow axis's stages reduce of ``bucket``: all of it over one axis, one fast
+        device's ``ceil(N / L)`` share over a tuple."""
+        return ceil_div(bucket.numel, self.fast_size)
 
-def plan(compressor: Compressor, leaves, bucket_bytes, axis_size: int) -> Plan:
+
+def plan(compressor: Compressor, leaves, bucket_bytes, axis_size: int, fast=(), fast_size=1):
+    """``axis_size``: the positions the stages run over (the slow axis's over a tuple)."""
     _, _, buckets = plan_tree(list(leaves), compressor, bucket_bytes)
     codec = compressor.staged_codec()
-    layouts = tuple(codec.chunk_layout(ceil_div(b.numel, axis_size)) for b in buckets)
-    return Plan(codec, tuple(buckets), layouts)
+    layouts = tuple(
+        codec.chunk_layout(ceil_div(ceil_div(b.numel, fast_size), axis_size)) for b in buckets
+    )
+    return Plan(codec, tuple(buckets), layouts, tuple(fast), fast_size)
 
 
 def worker(p: Plan, leaves, comm: ReduceState, n: int):
@@ -82,7 +104,7 @@ def worker(p: Plan, leaves, comm: ReduceState, n: int):
     outs = [
         worker_stage(
             p.codec,
-            flatten_bucket(leaves, bucket),
+            share(p, flatten_bucket(leaves, bucket)),
             comm.buckets[k].worker_error if p.guarded else None,
             layout,
             n,
@@ -90,6 +112,12 @@ def worker(p: Plan, leaves, comm: ReduceState, n: int):
         for k, (bucket, layout) in enumerate(zip(p.buckets, p.layouts, strict=True))
     ]
     return [o.wire for o in outs], [o.error for o in outs], [o.probe for o in outs]
+
+
+def share(p: Plan, flat: jax.Array) -> jax.Array:
+    """Over a tuple: this device's share of the exact mean over the fast axes (the in-program
+    two-level transport's first step); over one axis, ``flat`` itself."""
+    return scatter_share(flat, p.fast, p.fast_size, True) if p.fast else flat
 
 
 def kept(p: Plan, comm: ReduceState, probes):
@@ -115,40 +143,48 @@ def finish(p: Plan, gathered, workers, servers, kept, n: int):
     """The decoding on every device: ``(the mean's leaves in fragment order, flags)``;
     ``flags``: ``()`` without error feedback, else ``(keep_old, count, server residuals)``:
     whether this device keeps its old residuals, the non-finite count after the sync, and the
-    server residuals as the guard settles them."""
+    server residuals as the guard settles them. Over a tuple the guard is the share's (as in
+    one program), and with several buckets a mean that is not finite anywhere keeps every
+    bucket's residuals (DiLoCo's skipped sync, decided on the gathered mean)."""
     out: list = [None] * sum(len(b.leaf_ids) for b in p.buckets)
     any_bad, keep_old, settled = jnp.bool_(False), None, []
     for k, (bucket, layout) in enumerate(zip(p.buckets, p.layouts, strict=True)):
+        numel = p.share_numel(bucket)
         if p.guarded:
             new_server, received_ok = servers[k]
             new = TwoStageState(workers[k], new_server)
-            mean, finite = guarded_finish(
-                p.codec, kept[2][k], gathered[k], bucket.numel, layout, n, new
-            )
+            mean, finite = guarded_finish(p.codec, kept[2][k], gathered[k], numel, layout, n, new)
             # The worker residual is the host's to keep (it holds the old one in the state).
             settled.append(p.codec.settle_server_error(finite, received_ok, new_server, kept[0][k]))
             keep_old = p.codec.keeps_old_worker_error(finite, received_ok)
             any_bad = any_bad | ~finite
         else:
-            mean = finish_stage(p.codec, gathered[k], bucket.numel, n)
+            mean = finish_stage(p.codec, gathered[k], numel, n)
+        if p.fast:
+            mean = gather_shares(mean, p.fast, bucket.numel)
         for i, leaf, dtype in zip(
             bucket.leaf_ids, unflatten_bucket(mean, bucket), bucket.dtypes, strict=True
         ):
             out[i] = leaf.astype(dtype)
     if not p.guarded:
         return out, ()
-    keep_old = any_bad if len(p.buckets) > 1 else keep_old
+    if len(p.buckets) > 1:
+        keep_old = ~all_finite(out) if p.fast else any_bad
     return out, (keep_old, kept[1] + any_bad.astype(jnp.int32), settled)
 
 
 class FragmentPrograms:
     """The stage programs of one fragment's sync (see the module docstring)."""
 
-    def __init__(
-        self, compressor: Compressor, axis_name: str, bucket_bytes, mesh, leaves, n: int
-    ) -> None:
-        self.plan = p = plan(compressor, leaves, bucket_bytes, n)
+    def __init__(self, compressor: Compressor, axis_name, bucket_bytes, mesh, leaves) -> None:
+        slow, fast = split_levels(axis_name)
+        n = int(mesh.shape[slow])  # the positions the stages run over
+        fast_size = math.prod(int(mesh.shape[a]) for a in fast)
+        self.plan = p = plan(compressor, leaves, bucket_bytes, n, fast, fast_size)
         per, rep = P(axis_name), P()
+        # The wires gathered across the slow axis: the same on every device over one axis;
+        # over a tuple one set per fast position, (L, S, ...) split over the fast axes.
+        gather = P(fast) if fast else rep
 
         def local(tree):
             return jax.tree.map(lambda x: x[0], tree)
@@ -170,6 +206,7 @@ class FragmentPrograms:
             return block(server(p, local(received), local(kept)))
 
         def run_finish(gathered, workers, servers, kept):
+            gathered = local(gathered) if fast else gathered
             mean, flags = finish(p, gathered, local(workers), local(servers), local(kept), n)
             return mean, block(flags)
 
@@ -180,15 +217,23 @@ class FragmentPrograms:
         self.issue = program(issue, (rep, per, per), (per, per, per, per))
         self.worker = program(run_worker, (per, per), (per, per, per))
         self.server = program(run_server, (per, per), (per, per))
-        self.finish = program(run_finish, (rep, per, per, per), (rep, per))
+        self.finish = program(run_finish, (gather, per, per, per), (rep, per))
         self._per = NamedSharding(mesh, per)
-        self._rep = NamedSharding(mesh, rep)
+        self.gathered = NamedSharding(mesh, gather)
+        self.slow_size, self.fast_size = n, fast_size
+
+    def gathered_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape ``finish`` takes for a server wire whose per-device rows stack to
+        ``shape`` (``(S L, ...)``): ``(S, ...)`` over one axis, ``(L, S, ...)`` over a tuple."""
+        if not self.plan.fast:
+            return shape
+        return (self.fast_size, self.slow_size, *shape[1:])
 
     def compile_all(self, theta, params, comm) -> None:
         """Compiles the four programs before the sync first runs them, from the arguments
         ``issue`` will take (arrays, or ``jax.ShapeDtypeStruct`` leaves with their shardings):
         ``issue`` and ``worker`` (a resumed sync) with those, ``server`` and ``finish`` with
-        the wires the host exchanges hand them (split over the data axis, and replicated)."""
+        the wires the host exchanges hand them (split over the data axes, and gathered)."""
 
         def placed(tree, sharding=None):
             return jax.tree.map(
@@ -207,6 +252,9 @@ class FragmentPrograms:
         received = placed(wires, self._per)
         self.server.lower(received, kept).compile()
         gathered, servers = jax.eval_shape(self.server, received, kept)
+        gathered = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(self.gathered_shape(x.shape), x.dtype), gathered
+        )
         self.finish.lower(
-            placed(gathered, self._rep), workers, placed(servers, self._per), kept
+            placed(gathered, self.gathered), workers, placed(servers, self._per), kept
         ).compile()

@@ -52,8 +52,10 @@ between syncs. A sync reduces the pseudo-gradients with the two-level transport
 already equal there, so it only cuts them into ``1/L`` shares), the compressor across the slow
 axis on each device's share (``1/L`` of the outer gradient per device, with ``1/L`` of the
 error feedback), an exact all-gather inside the node. A device whose gradient is not finite
-makes its whole node skip that inner step. ``background=True`` takes one axis only; compressors
-that compress each leaf in its own shape (``jc.PowerSGD``) are refused over a tuple.
+makes its whole node skip that inner step. With ``background=True`` the exact steps inside the
+node run in the sync's device programs and only the shares' compressed wires travel between
+processes, across the slow axis (each of its positions on one process); compressors that
+compress each leaf in its own shape (``jc.PowerSGD``) are refused over a tuple.
 
 Parameters are **per device** (like :func:`jaxcomm.zero_one_adam`): :mod:`jaxcomm.train.layout`
 stacks them ``(n, ...)`` with ``P(axis)`` because a :class:`DiLoCoState` is registered as
@@ -167,7 +169,9 @@ def diloco(
       background: run each sync's reduction on a host thread while the next ``tau - 1`` inner
         steps compute (``overlap_steps >= 2``; ``compressor`` ``None``, ``jc.Quantize``,
         ``jc.Cast`` or ``jc.OneBit``; through ``jc.make_train_step``, which drives it). Same
-        parameters as ``background=False``; see :mod:`jaxcomm.optim.diloco.background`.
+        parameters as ``background=False``; see :mod:`jaxcomm.optim.diloco.background`. Over a
+        tuple of axes each position of the slow axis must lie on one process (the mesh
+        ``jax.make_mesh((processes, local devices), ("host", "local"))``).
       sync_timeout: with ``background``, seconds a sync may take before the step that needs
         it raises ``SyncError`` (a process died or hung).
 
@@ -214,11 +218,6 @@ def diloco(
     compressor = check_compressor(compressor)
     axis_name = canonical_axis(axis_name)
     _, fast = split_levels(axis_name)
-    if fast and background:
-        raise ValueError(
-            f"jaxcomm: diloco background=True runs over one mesh axis, not the tuple "
-            f"{axis_name!r}: use background=False (the sync then runs in the step programs)"
-        )
     if fast and not compressor.splits_into_shares:
         raise ValueError(
             f"jaxcomm: diloco over the tuple of axes {axis_name!r} exchanges 1-D shares of the "
@@ -399,7 +398,6 @@ def diloco(
 
     if not background:
         return optax.GradientTransformation(init_fn, update_fn)
-    assert isinstance(axis_name, str)  # a tuple of axes is refused above
     # The update carries its sync's spec; jc.make_train_step attaches the BackgroundSync (the
     # thread and the host links) that runs it, visible as step.background.
     spec = BackgroundSpec(compressor, axis_name, bucket_bytes, H, F, tau, float(sync_timeout))

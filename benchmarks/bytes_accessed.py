@@ -300,8 +300,7 @@ def provenance(model: dict, platform_name: str = "cpu", skips: dict | None = Non
                     optimizer_arguments=dict(skips or {})),  # fmt: skip
         git=git,
         commit=git["commit"],
-        note=NOTES[platform_name] + (" Working tree changed: " + ", ".join(git["changed"])
-                                     if git["changed"] else ""),
+        note=NOTES[platform_name],  # git["changed"]: files that differed from the commit
         model=model,
         measure=MEASURES[platform_name],
         rows=[],

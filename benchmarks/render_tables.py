@@ -73,7 +73,6 @@ def provenance(doc: dict) -> dict[str, str]:
         "machine": ", ".join([cpu if cpu else f"CPU model {MISSING}",
                               f"{cores} cores" if cores else f"cores {MISSING}"]),
         "date": doc["date"][:10] if doc.get("date") else MISSING,
-        "commit": f"`{doc['commit'][:12]}`" if doc.get("commit") else MISSING,
         "note": doc.get("note", ""),
     }
 
@@ -159,9 +158,8 @@ def provenance_table(results: dict[str, dict]) -> str:
     for name, doc in results.items():
         p = provenance(doc)
         rows.append([f"`{name}`", p["command"], p["jaxcomm"], p["jax"], p["machine"], p["date"],
-                     p["commit"], p["note"]])
-    return table(["results file", "command", "jaxcomm", "JAX", "machine", "date", "commit",
-                  "note"], rows)
+                     p["note"]])
+    return table(["results file", "command", "jaxcomm", "JAX", "machine", "date", "note"], rows)
 
 
 def demo_table(results: dict[str, dict]) -> str:

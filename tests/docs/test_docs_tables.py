@@ -69,7 +69,7 @@ def test_missing_provenance_is_said_not_invented(tmp_path):
     (tmp_path / "bare.json").write_text('{"step_s": {}}')
     row = render_tables.provenance_table(render_tables.load_results(tmp_path)).splitlines()[2]
     # command, jaxcomm, JAX, CPU model, cores, date, commit
-    assert row.count(render_tables.MISSING) == 7, row
+    assert row.count(render_tables.MISSING) == 6, row
 
 
 def test_a_changed_number_is_caught(tmp_path):

@@ -1,9 +1,9 @@
 """Compressors: how one bucket is reduced across a mesh axis, one family per module.
 
-``_base`` (the :class:`Compressor` interface), ``staged`` (the staged
-codec: its stages, written once, and the in-program transport), ``exact``
-(:class:`NoCompression`), ``onebit`` (its wire and stage arithmetic in ``signs``), ``quantize``,
-``cast``, ``powersgd``, ``topk``, ``sparseloco`` (its chunking and wire codes in ``chunks``).
+``_base`` (the :class:`Compressor` interface), ``staged`` (the staged codec: its stages,
+written once, and the in-program transport), ``exact`` (:class:`NoCompression`), ``onebit``
+(its wire and stage arithmetic in ``signs``), ``quantize``, ``cast``, ``powersgd``, ``topk``,
+``sparseloco`` (its chunking and wire codes in ``chunks``).
 Public names are exported from :mod:`jaxcomm`.
 """
 

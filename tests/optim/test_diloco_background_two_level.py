@@ -25,6 +25,7 @@ from jax.sharding import AxisType
 
 import jaxcomm as jc
 from jaxcomm.optim.diloco.background import BackgroundSync
+from tests.optim.test_diloco_background import assert_same_bits
 from tests.optim.test_diloco_two_level import (
     AXES,
     HYPER,
@@ -63,18 +64,6 @@ def _run(mesh, tx, batches, each=None):
             state = each(t, state)
         state, _ = step(state, batch)
     return state
-
-
-def _without_pending(state):
-    """Every leaf but DiLoCo's pending pseudo-gradients (which only the background path has)."""
-    diloco = state.opt_state
-    local = diloco.local._replace(pending=())
-    return jax.tree.leaves(state._replace(opt_state=diloco._replace(local=local)))
-
-
-def assert_same_bits(got, want):
-    for a, b in zip(_without_pending(got), _without_pending(want), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 CASES = [

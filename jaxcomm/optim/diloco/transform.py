@@ -298,7 +298,7 @@ def diloco(
         theta = list(jax.tree.leaves(state.outer_params))
         t = state.count + 1
         outers, inflights, comms = list(state.outer), list(state.inflight), list(state.comm)
-        counts = state.skips
+        outer_skips = state.skips
         # Leaves that no outer step can change this step (known at trace time in a
         # phase-specialised inner step): their update is the inner update itself.
         inner_only = [True] * len(param_leaves)
@@ -307,19 +307,19 @@ def diloco(
             x = varying([local[i] for i in ids], axis_name)
             if tau == 0:
 
-                def sync(th, x, outer_state, comm, counts):
+                def sync(th, x, outer_state, comm, skips):
                     delta = [a - b.astype(f32) for a, b in zip(th, x, strict=True)]
                     delta, comm = reduce(delta, comm)
-                    th, outer_state, x, counts = outer_step(delta, th, outer_state, x, counts)
-                    return th, x, outer_state, comm, counts
+                    th, outer_state, x, skips = outer_step(delta, th, outer_state, x, skips)
+                    return th, x, outer_state, comm, skips
 
-                def keep(th, x, outer_state, comm, counts):
-                    return th, x, outer_state, comm, counts
+                def keep(th, x, outer_state, comm, skips):
+                    return th, x, outer_state, comm, skips
 
                 value, steady = periodic(t, H, offsets[f], 0)
                 synced = phase(value, steady=steady)
-                th, x, outers[f], comms[f], counts = phase_cond(
-                    synced, sync, keep, th, x, outers[f], comms[f], counts
+                th, x, outers[f], comms[f], outer_skips = phase_cond(
+                    synced, sync, keep, th, x, outers[f], comms[f], outer_skips
                 )
             else:
                 # With background=True, the host side (diloco.background) computes this
@@ -346,13 +346,13 @@ def diloco(
                         comms[f],
                     )
 
-                def hold(pending, th, outer_state, x, counts):
-                    return th, outer_state, x, counts
+                def hold(pending, th, outer_state, x, skips):
+                    return th, outer_state, x, skips
 
                 merged = periodic(t, H, offsets[f], tau)
                 synced = phase(merged[0], steady=merged[1])
-                th, outers[f], x, counts = phase_cond(
-                    synced, outer_step, hold, inflights[f], th, outers[f], x, counts
+                th, outers[f], x, outer_skips = phase_cond(
+                    synced, outer_step, hold, inflights[f], th, outers[f], x, outer_skips
                 )
             for i, a, b in zip(ids, th, x, strict=True):
                 theta[i], local[i] = a, b
@@ -374,7 +374,7 @@ def diloco(
             outer_params=jax.tree.unflatten(jax.tree.structure(state.outer_params), theta),
             outer=tuple(outers),
             inflight=tuple(inflights),
-            skips=counts,
+            skips=outer_skips,
             devices=state.devices,
             local=DiLoCoLocal(inner_state, inner_skips, state.local.pending),
             comm=tuple(comms),
@@ -393,7 +393,8 @@ def diloco(
                 lambda x: jnp.zeros([], jnp.int32),
                 inner_skips.consecutive.reshape(()),
             )
-            check_skips(jnp.maximum(worst, counts.consecutive), max_consecutive_skips, "diloco")
+            worst = jnp.maximum(worst, outer_skips.consecutive)
+            check_skips(worst, max_consecutive_skips, "diloco")
         return new_updates, new_state
 
     if not background:

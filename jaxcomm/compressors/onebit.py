@@ -24,6 +24,7 @@ from jaxcomm.compressors.signs import (
     worker_payload,
 )
 from jaxcomm.compressors.staged import StagedCodec, TwoStageScatterState, TwoStageState
+from jaxcomm.fusion import write_or_keep, written_once
 
 #: OneBit's states are the two-stage states (the same fields); the names stay for readability.
 OneBitState = TwoStageState
@@ -77,8 +78,13 @@ def _all_gather_row(row: jax.Array, axis_name) -> jax.Array:
     return lax.platform_dependent(row, tpu=tpu, default=other)
 
 
-def _plus_error(flat: jax.Array, error: jax.Array, sizes, axis_name) -> jax.Array:
-    """``pad(flat, len(error)) + error``, written leaf by leaf into one fresh buffer.
+def _plus_error(flat: jax.Array, error: jax.Array, sizes, axis_name):
+    """``(buf, scale)``: ``buf = pad(flat, len(error)) + error``, written into one fresh
+    buffer, and its 1-bit scale :func:`l2_scale`.
+
+    On GPU and TPU ``buf`` and the scale's partial sums come out of one fused pass, and ``buf``
+    is written once (:func:`~jaxcomm.fusion.written_once`): its consumers (the packed signs, the new
+    residual) read it instead of recomputing it from every leaf and the error.
 
     ``flat`` is a bucket's concatenation of leaves of ``sizes``; ``error`` is ``(Np,)`` or a
     ``(1, Np)`` block, and the result has its shape. XLA:CPU emits a concatenate or a pad
@@ -88,6 +94,12 @@ def _plus_error(flat: jax.Array, error: jax.Array, sizes, axis_name) -> jax.Arra
     (e.g. an optimizer's momentum update) and its slice of the error are written straight into
     their slice of one buffer (``dynamic_update_slice`` in place).
     """
+    buf = _bucket_plus_error(flat, error, sizes, axis_name)
+    return written_once(buf, l2_scale(buf))
+
+
+def _bucket_plus_error(flat: jax.Array, error: jax.Array, sizes, axis_name) -> jax.Array:
+    """``pad(flat, len(error)) + error``, on XLA:CPU written leaf by leaf."""
     numel, padded = flat.shape[0], error.shape[-1]
     if numel == padded and len(sizes) <= 1:
         return flat.reshape(error.shape) + error
@@ -214,18 +226,17 @@ class OneBit(StagedCodec):
 
     # -- the fused forms in one program --------------------------------------------------------
 
-    def _exchange(self, buf, worker_error, axis_name, axis_size, guard):
+    def _exchange(self, buf, scale, worker_error, axis_name, axis_size, guard):
         """Stages 1-2: compress ``buf`` (the input plus ``e_w``), all_to_all the signs with the
         scale.
 
         Returns this chunk's mean, the new worker residual and, with ``guard``, whether every
         device's worker scale is finite (if not, the residual returned is the old one). The
-        scales arrive before the residual is written, so a conditional writes it: the new one
-        from ``buf`` (over the donated old one, in place), or the old one passed through. A
-        select would read the old residual on every step as well: one more pass over the
-        bucket.
+        scales arrive before the residual is written, so it is written by
+        :func:`~jaxcomm.fusion.write_or_keep`: on XLA:CPU a conditional (the new one from
+        ``buf`` over the donated old one, in place, or the old one passed through), elsewhere
+        a fused select.
         """
-        scale = l2_scale(buf)
         payload = ensure_varying(worker_payload(buf, scale, axis_size), axis_name)
         received = _all_to_all_rows(payload, axis_name)
         signs, scales = signs_and_scales(received)
@@ -234,7 +245,7 @@ class OneBit(StagedCodec):
             # buf is finite iff its L2 norm is (an overflowing norm counts as non-finite), and
             # every output element is a scale times a sign: the scales decide everything.
             finite = jnp.all(jnp.isfinite(scales))
-            new_error = lax.cond(
+            new_error = write_or_keep(
                 finite,
                 lambda buf, scale, old: residual(buf, scale),
                 lambda buf, scale, old: old,
@@ -254,9 +265,9 @@ class OneBit(StagedCodec):
         ``finite`` says whether all of it is finite, replicated (decided from the gathered
         scales), and the state is the old one where not.
         """
-        buf = _plus_error(flat, state.worker_error, sizes, axis_name)
+        buf, scale = _plus_error(flat, state.worker_error, sizes, axis_name)
         compensated, worker_error, finite = self._exchange(
-            buf, state.worker_error, axis_name, axis_size, guard
+            buf, scale, state.worker_error, axis_name, axis_size, guard
         )
         # Stage 3 (server, this device's chunk): c = sum_j s_w[j]/n sgn_j + e_s, in rows of 8
         # (one packed byte each; see scaled_sign_rows); with the guard, e_s itself when a worker
@@ -304,7 +315,7 @@ class OneBit(StagedCodec):
             return varying_like(jnp.full((numel,), jnp.nan, scales.dtype), scales)
 
         decode = lambda signs, scales: decode_mean(signs, scales, numel)  # noqa: E731
-        return lax.cond(finite, decode, nan_mean, signs, scales), state, finite
+        return write_or_keep(finite, decode, nan_mean, signs, scales), state, finite
 
     def guarded_all_reduce_leaves(self, flat, state, bucket, fallback, *, axis_name, axis_size):
         # The conditional writes the leaves themselves (1-bit Adam's new momentum), or passes
@@ -319,14 +330,15 @@ class OneBit(StagedCodec):
         def keep(signs, scales, fallback):
             return list(fallback)
 
-        return lax.cond(finite, decode, keep, signs, scales, list(fallback)), state, finite
+        return write_or_keep(finite, decode, keep, signs, scales, list(fallback)), state, finite
 
     def _reduce_scatter(self, rows, state: OneBitScatterState, axis_name, axis_size, guard):
         row_numel = rows.shape[1]
         padded_row = state.worker_error.shape[0] // axis_size
         buf = jnp.pad(rows, ((0, 0), (0, padded_row - row_numel))).reshape(-1)
+        buf = buf + state.worker_error
         row, worker_error, finite = self._exchange(
-            buf + state.worker_error, state.worker_error, axis_name, axis_size, guard
+            buf, l2_scale(buf), state.worker_error, axis_name, axis_size, guard
         )
         return row.reshape(-1)[:row_numel], OneBitScatterState(worker_error), finite
 

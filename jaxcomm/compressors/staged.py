@@ -45,6 +45,7 @@ from jax import lax
 from jaxcomm._compat import all_gather_replicated, ensure_varying, varying_like
 from jaxcomm.compressors._base import Compressor, rank_major_pending, rank_major_share
 from jaxcomm.compressors.buckets import ceil_div
+from jaxcomm.fusion import write_or_keep
 from jaxcomm.guard import probes_finite
 
 #: A payload: the arrays one stage sends, each with a leading ``(n, ...)`` row per destination
@@ -374,7 +375,7 @@ def guarded_finish(
     def decode(gathered):
         return finish_stage(codec, gathered, numel, axis_size)
 
-    return lax.cond(finite, decode, nan, gathered), finite
+    return write_or_keep(finite, decode, nan, gathered), finite
 
 
 def settle(codec: StagedCodec, finite: jax.Array, received_ok, new, old) -> TwoStageState:

@@ -30,6 +30,7 @@ import optax
 from jaxcomm.comm.axes import AxisName
 from jaxcomm.comm.state import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit
+from jaxcomm.fusion import written_once
 from jaxcomm.guard import SkipCounters, keep_if
 from jaxcomm.optim._common import (
     PyTree,
@@ -257,6 +258,8 @@ def scale_by_onebit_adam(
         # A non-finite mean (NaN/Inf on any device) skips the step: moments and error feedback
         # stay, nothing moves. The step is taken of the kept moments (else XLA copies mu, nu).
         mu = mu if fallback_is_skip else keep_if(ok, mu, state.mu)
+        if frozen is True:  # decoded once: the step's RMS and the update read it (GPU, TPU)
+            (mu,) = written_once(mu)
         nu = keep_if(ok, nu, state.nu)
         comm = keep_error_feedback(ok, comm, state.comm, state.mu, compressor, bucket_bytes)
         if not precondition:

@@ -1,0 +1,68 @@
+"""How jaxcomm shapes its programs for the backend's fusion, in one place.
+
+A memory-bound step costs the bytes it moves, and the same computation can move different
+bytes on different backends: XLA:CPU runs a conditional's taken branch in place, while XLA:GPU
+copies a conditional's outputs into the program's outputs; XLA:GPU fuses a buffer's producer
+into each of its consumers, re-reading every input per consumer, unless the buffer is written
+once. Both helpers keep the values exact and pick the cheaper program per backend at lowering
+(``lax.platform_dependent``: one branch is compiled, none runs at run time):
+
+* :func:`write_or_keep`: ``write(...)`` or ``keep(...)`` on a scalar verdict (the non-finite
+  guard's): a conditional on CPU, a fused select elsewhere.
+* :func:`written_once`: the values as they are on CPU, behind an optimization barrier
+  elsewhere (materialised once, read by every consumer).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxcomm.fusion import write_or_keep, written_once
+  >>> new = lambda x, old: x * 2
+  >>> keep = lambda x, old: old
+  >>> f = jax.jit(lambda ok, x, old: write_or_keep(ok, new, keep, x, old))
+  >>> f(jnp.array(False), jnp.ones(2), jnp.zeros(2)).tolist()
+  [0.0, 0.0]
+  >>> written_once(jnp.ones(2), jnp.zeros(1))[0].tolist()
+  [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def write_or_keep(finite: jax.Array, write: Callable, keep: Callable, *operands: Any) -> Any:
+    """``write(*operands)`` where ``finite`` (a bool scalar), else ``keep(*operands)``: the
+    values of ``lax.cond(finite, write, keep, *operands)``, compiled the cheaper way.
+
+    XLA:CPU runs a conditional's taken branch into the (donated) output buffer, so keeping the
+    old value costs nothing on the usual step. XLA:GPU copies a conditional's outputs into the
+    program's outputs (two more passes over them), where a select fused into the write reads
+    the kept value once: there (and on TPU) both are computed and ``jnp.where`` picks.
+    """
+
+    def branchless(*ops):
+        return jax.tree.map(lambda a, b: jnp.where(finite, a, b), write(*ops), keep(*ops))
+
+    def branched(*ops):
+        return lax.cond(finite, write, keep, *ops)
+
+    return lax.platform_dependent(*operands, cpu=branched, default=branchless)
+
+
+def written_once(*values: Any) -> Any:
+    """``values`` (a tuple), written to memory once on GPU and TPU (an optimization barrier),
+    as they are on CPU.
+
+    For a buffer with several consumers that each read it once (a compressor's input plus its
+    error feedback: the scale, the packed signs, the new residual): XLA:GPU would otherwise
+    fuse its producer into every consumer and read all of the producer's inputs again each
+    time. XLA:CPU's fusion already writes it once, and a barrier there would stop the
+    producer from fusing into the buffer's first consumer.
+    """
+    return lax.platform_dependent(
+        *values, cpu=lambda *v: v, default=lambda *v: lax.optimization_barrier(v)
+    )

@@ -1,0 +1,69 @@
+"""jaxcomm.fusion: the same values on every backend, a conditional or a barrier only where it
+is the cheaper program (lowered for GPU and TPU without one)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from jaxcomm.fusion import write_or_keep, written_once
+
+
+def _write(x, old):
+    return {"a": x * 2.0, "b": old["b"] + x}
+
+
+def _keep(x, old):
+    return old
+
+
+def _old():
+    return {"a": jnp.full((5,), -1.0), "b": jnp.arange(5.0)}
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_write_or_keep_gives_the_conditional_values(finite):
+    x = jnp.linspace(-1.0, 1.0, 5)
+    ok = jnp.asarray(finite)
+    got = jax.jit(lambda ok, x, old: write_or_keep(ok, _write, _keep, x, old))(ok, x, _old())
+    want = lax.cond(ok, _write, _keep, x, _old())
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+    if not finite:  # the kept values exactly, even where the written ones are NaN
+        nan = jnp.full((5,), jnp.nan)
+        got = jax.jit(lambda ok, x, old: write_or_keep(ok, _write, _keep, x, old))(ok, nan, _old())
+        np.testing.assert_array_equal(np.asarray(got["a"]), -np.ones(5))
+
+
+def _lowered(fn, *args, platform):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_a_conditional_on_cpu_a_select_on_gpu_and_tpu():
+    args = (jnp.asarray(True), jnp.ones(5), _old())
+
+    def fn(ok, x, old):
+        return write_or_keep(ok, _write, _keep, x, old)
+
+    cpu = _lowered(fn, *args, platform="cpu")
+    assert "stablehlo.select" not in cpu
+    assert "conditional(" in jax.jit(fn).lower(*args).compile().as_text()
+    for platform in ("cuda", "tpu"):
+        # Two selects (the leaves); the only cases left are lax.platform_dependent's own,
+        # on a constant index, which XLA folds.
+        assert _lowered(fn, *args, platform=platform).count("stablehlo.select ") == 2
+
+
+def test_written_once_is_a_barrier_off_the_cpu_only():
+    def fn(x):
+        (y,) = written_once(x * 2.0)
+        return y + 1.0, y * 3.0
+
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x)[1]), np.arange(4.0) * 6.0)
+    assert "optimization_barrier" not in _lowered(fn, x, platform="cpu")
+    assert "optimization_barrier" in _lowered(fn, x, platform="cuda")
+    assert "optimization_barrier" in _lowered(fn, x, platform="tpu")

@@ -269,8 +269,14 @@ def scale_by_zero_one_adam(
         # A non-finite gradient or mean on any device skips the step on every device (one
         # int32 pmin; local steps would otherwise let the devices' schedules drift apart):
         # moments, local updates and schedules stay, the collectives' guard kept the error
-        # feedback. A float sum over g (see all_finite); the mean's from its branch.
-        ok = on_every_device(all_finite(g) & mean_ok, axis_name)
+        # feedback. A float sum over g (see all_finite); the mean's from its branch. A
+        # phase-specialised step whose mean is of g itself (exact, kind 0) or of a buffer that
+        # holds it, through a compressor whose guard a non-finite input always trips (OneBit:
+        # its scale is the buffer's L2 norm; kinds 1 and 3) needs no pass over g of its own.
+        covered = isinstance(kind, int) and (
+            kind == 0 or (kind in (1, 3) and getattr(compressor, "output_decides_finite", False))
+        )
+        ok = on_every_device((True if covered else all_finite(g)) & mean_ok, axis_name)
         skips = count_skips(ok, state.skips, max_consecutive_skips, "zero_one_adam")
         # The new variance first (kind 0 updates it from the exact mean; the denominators of
         # this step read it), written over nu in place.

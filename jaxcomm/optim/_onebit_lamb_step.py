@@ -111,13 +111,13 @@ def trust_ratio(p: jax.Array, update: jax.Array, min_coeff, max_coeff) -> jax.Ar
 
 
 def warm_up(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm):
-    """The warm-up phase, ``t <= freeze_step``: LAMB on the exact mean gradient; the trust
-    ratios' average ``coeff_freeze`` and, at ``t = freeze_step``, ``v_fresh = v``. Returns the
-    new moments and coefficients, then each leaf's ``scaled(c) u``."""
+    """The warm-up phase, ``t <= freeze_step``: LAMB on the exact mean gradient and the trust
+    ratios' average ``coeff_freeze`` (``v_fresh`` is not read or written: the first compressed
+    step starts it from the frozen ``v``). Returns the new moments and coefficients, then each
+    leaf's ``scaled(c) u``."""
     cfg = s.config
     g = exact_mean(g, cfg.axis_name, cfg.bucket_bytes)
     mu, nu = ema(mu, g, s.b1), ema(nu, g, s.b2, 2)
-    nu_fresh = jax.tree.map(lambda v, vf: jnp.where(s.t == cfg.freeze_step, v, vf), nu, nu_fresh)
 
     def leaf(m, v, p, cf):
         _, update, _ = lamb_leaf(s, m, v, p)
@@ -185,8 +185,11 @@ def compressed(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scal
     m_prev = mu
     mu, scaling, comm = onebit_momentum(s, g, m_prev, nu, scaling, comm)
 
+    first = s.t == s.config.freeze_step + 1  # v_fresh starts from v, frozen at freeze_step
+
     def leaf(m, m_last, v, vf, p, cf, last):
         g_rec = (m - s.b1 * m_last) / (1 - s.b1)
+        vf = jnp.where(first, v, vf)  # read with v, which the step reads anyway
         vf = s.b2 * vf + (1 - s.b2) * jnp.square(g_rec)
         prelim, update, denom = lamb_leaf(s, m, v, p, damped=True)
         factor = correction_factor(s, prelim, update, denom, vf, last)

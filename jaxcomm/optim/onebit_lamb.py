@@ -60,8 +60,9 @@ class OneBitLambState(NamedTuple):
       count: updates done so far (int32 scalar).
       mu: first moment, fp32 (after the switch: the 1-bit mean with the scaling removed).
       nu: second moment, fp32, frozen after ``freeze_step``.
-      nu_fresh: DeepSpeed's ``exp_avg_sq_fresh``, fp32: a copy of ``nu`` at update
-        ``freeze_step``, then updated from the gradient reconstructed from the momenta.
+      nu_fresh: DeepSpeed's ``exp_avg_sq_fresh``, fp32: zero during the warm-up; the first
+        compressed update starts it from ``nu`` (frozen at update ``freeze_step``) and every
+        compressed update moves it by the gradient reconstructed from the momenta.
       coeff_freeze: per leaf, an fp32 scalar: the EMA of the warm-up trust ratios
         (DeepSpeed's ``lamb_coeff_freeze``, starts at 0), frozen after ``freeze_step``.
       last_factor: per leaf, an fp32 scalar: the previous correction factor (starts at 1).
@@ -443,7 +444,14 @@ def lamb_update(config: LambConfig, scale, updates, state: OneBitLambState, para
     )
     # A non-finite step (NaN/Inf in any device's gradient reaches the mean) is skipped:
     # moments, coefficients and factors stay, the collectives' guard kept the error feedback.
-    ok = all_finite(mu, nu, nu_fresh, delta)
+    # A phase-specialised step probes only what it changed (the state it passes through, a
+    # warm-up's nu_fresh or a compressed step's frozen nu, is finite).
+    if warm is True:
+        ok = all_finite(mu, nu, delta)
+    elif warm is False:
+        ok = all_finite(mu, nu_fresh, delta)
+    else:
+        ok = all_finite(mu, nu, nu_fresh, delta)
     skips = count_skips(ok, state.skips, config.max_consecutive_skips, "onebit_lamb")
     candidate = OneBitLambState(
         count=s.t,

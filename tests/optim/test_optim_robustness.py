@@ -73,6 +73,8 @@ SKIP_CASES = (
     + [("onebit_adam", True), ("onebit_adam_buckets", True)]
     # Phase-specialised 0/1 Adam reads the guard of its mean alone on its communicating steps.
     + [("zero_one_adam", True), ("zero_one_adam_buckets", True)]
+    # Phase-specialised 1-bit LAMB probes only the state its phase changes.
+    + [("onebit_lamb", True)]
 )
 
 

@@ -236,7 +236,8 @@ def methods(
                 lr, axis_name="dp", total_steps=zero_one_total_steps, **kw
             ),
             {"*": 1.5},
-            {(0,): "variance exact", (1,): "variance 1-bit", (2,): "local", (3,): "sync 1-bit"},
+            {(0,): "variance exact", (1,): "variance 1-bit", (2,): "local", (3,): "sync 1-bit",
+             (4,): "first sync"},
             # total_steps=40: variance frozen after step 6, then sync and local steps alternate.
             warmup=10, cycle=2, steady=("local", "sync 1-bit"),
         ),

@@ -34,6 +34,7 @@ class ZeroOneStep:
     var_freeze_step: int | jax.Array
     c1: jax.Array  # bias corrections of m and v (1.0 under deepspeed_compat)
     c2: jax.Array
+    first_sync: bool | jax.Array  # the first step after the freeze (a synchronisation)
     floor: float | None
     precondition: bool
     compress_momentum: bool
@@ -144,16 +145,24 @@ class ZeroOneStep:
         )
 
 
-def step_kind(t: jax.Array, state, var_freeze_step) -> tuple[jax.Array | int, jax.Array, jax.Array]:
-    """``(kind, frozen, var_step)`` of update ``t`` (1-based) of a ``ZeroOneAdamState``: kind 0
-    a variance update (``t % var_interval == 0`` before the freeze), 1 a 1-bit momentum step
-    (the other steps before it), 2 a local step (after it), 3 a synchronisation (``t %
-    local_interval == 0`` after it); ``kind`` is a Python int in a phase-specialised step."""
+def step_kind(t: jax.Array, state, var_freeze_step):
+    """``(kind, first_sync, frozen, var_step)`` of update ``t`` (1-based) of a
+    ``ZeroOneAdamState``: kind 0 a variance update (``t % var_interval == 0`` before the
+    freeze), 1 a 1-bit momentum step (the other steps before it), 2 a local step (after it), 3
+    a synchronisation (``t % local_interval == 0`` after it); ``first_sync``: the first step
+    after the freeze (always a synchronisation), which zeroes the error feedback. Both are
+    Python values in a phase-specialised step: the first synchronisation is a phase of its own
+    (one program more), so that the others do not select over the error feedback."""
     frozen = t > var_freeze_step
     var_step = (t % state.var_interval) == 0
     sync = (t % state.local_interval) == 0
-    kind = jnp.where(frozen, jnp.where(sync, 3, 2), jnp.where(var_step, 0, 1)).astype(jnp.int32)
-    return phase(kind, 4), frozen, var_step
+    first = t == var_freeze_step + 1
+    synced = jnp.where(first, 4, 3)
+    kind = jnp.where(frozen, jnp.where(sync, synced, 2), jnp.where(var_step, 0, 1))
+    kind = phase(kind.astype(jnp.int32), 5)
+    if isinstance(kind, int):
+        return min(kind, 3), kind == 4, frozen, var_step
+    return jnp.minimum(kind, 3), kind == 4, frozen, var_step
 
 
 def var_update(step: ZeroOneStep, g, mu, nu, u, comm):
@@ -185,8 +194,8 @@ def local_step_sync(step: ZeroOneStep, g, mu, nu, u, comm):
     _, _, u = step.local_accumulated(g, mu, nu, u)
     # Zero the error feedback at the variance freeze (the first frozen step is always a
     # synchronisation: local_interval is still 1 then).
-    first = step.t == step.var_freeze_step + 1
-    comm = jax.tree.map(lambda e: jnp.where(first, jnp.zeros_like(e), e), comm)
+    if step.first_sync is not False:
+        comm = jax.tree.map(lambda e: jnp.where(step.first_sync, jnp.zeros_like(e), e), comm)
     if not step.precondition:  # DeepSpeed compresses u * denom
         u = jax.tree.map(lambda a, d: a * d, u, step.denoms(nu))
     return step.onebit_mean(u, comm)

@@ -231,7 +231,7 @@ def scale_by_zero_one_adam(
     def update_fn(updates, state, params=None):
         needs_params(params, weight_decay, "zero_one_adam")
         t = optax.safe_increment(state.count)
-        kind, frozen, var_step = step_kind(t, state, var_freeze_step)
+        kind, first_sync, frozen, var_step = step_kind(t, state, var_freeze_step)
         b1_, b2_ = jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32)
         # Steps covered by nu's updates: one each, or var_interval each (interval-weighted).
         weight = state.var_interval if interval_weighted_variance else 1
@@ -253,6 +253,7 @@ def scale_by_zero_one_adam(
             var_freeze_step=var_freeze_step,
             c1=c1,
             c2=c2,
+            first_sync=first_sync,
             floor=floor,
             precondition=precondition,
             compress_momentum=compress_momentum,

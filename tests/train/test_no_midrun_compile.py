@@ -57,8 +57,8 @@ SCHEDULES = {
     # count < freeze_step: True for 3 steps, then False.
     "onebit_lamb": (lambda: jc.onebit_lamb(LR, freeze_step=3, axis_name="dp"), 7, 2, True),
     # total_steps=120: variance refreshes every step, then every 2nd (kind 1 at step 17),
-    # frozen after 18 with syncs (3) and local steps (2) from step 25.
-    "zero_one_adam": (lambda: jc.zero_one_adam(LR, axis_name="dp", total_steps=120), 28, 4, False),
+    # frozen after 18: the first sync (4) at step 19, then syncs (3) and local steps (2).
+    "zero_one_adam": (lambda: jc.zero_one_adam(LR, axis_name="dp", total_steps=120), 28, 5, False),
     # (synced, skip check): inner steps (0, 0), syncs at steps 3 and 6 (1, 1).
     "diloco": (lambda: jc.diloco(optax.adam(LR), optax.sgd(0.7), 3, "dp"), 8, 2, True),
     # Streaming: two fragments, each merged a step after it syncs.

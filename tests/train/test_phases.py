@@ -50,7 +50,7 @@ SCHEDULES = {
             axis_name="dp",
             compressor=c,
         ),
-        {(0,), (2,), (3,)},
+        {(0,), (2,), (3,), (4,)},  # (4,): the first sync after the freeze
     ),
     "onebit_lamb": (
         lambda c: jc.onebit_lamb(LR, freeze_step=4, axis_name="dp", compressor=c),

@@ -418,6 +418,52 @@ def diloco_background_table(results: dict[str, dict]) -> str:
     return table(header, rows)
 
 
+def is_bytes_accessed(name, doc):
+    return name.startswith("bytes_accessed_") and doc.get("measure") is not None
+
+
+def memory_table(results: dict[str, dict]) -> str:
+    """Bytes through memory per step against the local Adam step, one column per results file
+    of ``benchmarks/bytes_accessed.py`` and device count, rows in the files' order."""
+    files = [(n, d) for n, d in results.items() if is_bytes_accessed(n, d)]
+    if not files:
+        return "No results file of `benchmarks/bytes_accessed.py`.\n"
+    columns: list[tuple[str, str, int]] = []  # (file, platform, devices)
+    rows: dict[tuple[str, str], dict] = {}
+    for name, doc in files:
+        plat = doc.get("target", {}).get("platform", "cpu")
+        label = "H100 (compiled, no GPU)" if plat == "h100" else "CPU"
+        for r in doc["rows"]:
+            if r["method"] == "local":
+                continue
+            col = (name, label, r["devices"])
+            if col not in columns:
+                columns.append(col)
+            row = rows.setdefault((r["method"], r["phase"]), {"target": r.get("target")})
+            row[col] = r.get("ratio")
+    header = ["method", "phase", "target"] + [f"{lab}, {n} devices" for _, lab, n in columns]
+
+    def cell(ratio, target):
+        if ratio is None:
+            return "-"
+        mark = "" if target is None or ratio <= target else " (over)"
+        return f"{ratio:.2f}x{mark}"
+
+    body = [
+        [f"`{m}`", phase, f"{row['target']:.2f}x"]
+        + [cell(row.get(col), row["target"]) for col in columns]
+        for (m, phase), row in rows.items()
+    ]
+    m = files[0][1].get("model", {})
+    if m.get("kind") == "mlp":
+        what = (f"an MLP of {m['layers']} layers of width {m['width']} ({m['parameters']:,} "
+                f"{m['dtype']} parameters), {m['batch_per_device']} rows per device")
+    else:
+        what = ", ".join(f"{k} {v}" for k, v in m.items()) if m else MISSING
+    sources = ", ".join(source(n) for n, _ in files)
+    return table(header, body) + f"\nModel: {what}. Sources: {sources}.\n"
+
+
 RENDERERS = {
     "diloco-background": diloco_background_table,
     "choose": choose,
@@ -428,6 +474,7 @@ RENDERERS = {
     "user-path": user_path_table,
     "torch-peer": torch_table,
     "aot": aot_table,
+    "memory-traffic": memory_table,
 }
 
 

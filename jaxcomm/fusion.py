@@ -8,9 +8,14 @@ once. Both helpers keep the values exact and pick the cheaper program per backen
 (``lax.platform_dependent``: one branch is compiled, none runs at run time):
 
 * :func:`write_or_keep`: ``write(...)`` or ``keep(...)`` on a scalar verdict (the non-finite
-  guard's): a conditional on CPU, a fused select elsewhere.
-* :func:`written_once`: the values as they are on CPU, behind an optimization barrier
-  elsewhere (materialised once, read by every consumer).
+  guard's): a fused select on GPU, a conditional elsewhere.
+* :func:`written_once`: the values behind an optimization barrier on GPU (materialised once,
+  read by every consumer), as they are elsewhere.
+
+The GPU forms were chosen on programs compiled for 8 H100s (``benchmarks/bytes_accessed.py
+--platform h100``, ``benchmarks/results/bytes_accessed_h100.json``: 1-bit Adam's compressed
+step 12.5 GB -> 10.9 GB per device); compiled for a TPU v5e (2x2, no TPU attached) the same
+change moved more bytes, so TPU keeps the CPU forms.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -41,7 +46,7 @@ def write_or_keep(finite: jax.Array, write: Callable, keep: Callable, *operands:
     XLA:CPU runs a conditional's taken branch into the (donated) output buffer, so keeping the
     old value costs nothing on the usual step. XLA:GPU copies a conditional's outputs into the
     program's outputs (two more passes over them), where a select fused into the write reads
-    the kept value once: there (and on TPU) both are computed and ``jnp.where`` picks.
+    the kept value once: there both are computed and ``jnp.where`` picks.
     """
 
     def branchless(*ops):
@@ -50,12 +55,12 @@ def write_or_keep(finite: jax.Array, write: Callable, keep: Callable, *operands:
     def branched(*ops):
         return lax.cond(finite, write, keep, *ops)
 
-    return lax.platform_dependent(*operands, cpu=branched, default=branchless)
+    return lax.platform_dependent(*operands, cuda=branchless, rocm=branchless, default=branched)
 
 
 def written_once(*values: Any) -> Any:
-    """``values`` (a tuple), written to memory once on GPU and TPU (an optimization barrier),
-    as they are on CPU.
+    """``values`` (a tuple), written to memory once on GPU (an optimization barrier), as they
+    are elsewhere.
 
     For a buffer with several consumers that each read it once (a compressor's input plus its
     error feedback: the scale, the packed signs, the new residual): XLA:GPU would otherwise
@@ -63,6 +68,7 @@ def written_once(*values: Any) -> Any:
     time. XLA:CPU's fusion already writes it once, and a barrier there would stop the
     producer from fusing into the buffer's first consumer.
     """
-    return lax.platform_dependent(
-        *values, cpu=lambda *v: v, default=lambda *v: lax.optimization_barrier(v)
-    )
+    def once(*v):
+        return lax.optimization_barrier(v)
+
+    return lax.platform_dependent(*values, cuda=once, rocm=once, default=lambda *v: v)

@@ -82,7 +82,7 @@ def _plus_error(flat: jax.Array, error: jax.Array, sizes, axis_name):
     """``(buf, scale)``: ``buf = pad(flat, len(error)) + error``, written into one fresh
     buffer, and its 1-bit scale :func:`l2_scale`.
 
-    On GPU and TPU ``buf`` and the scale's partial sums come out of one fused pass, and ``buf``
+    On GPU ``buf`` and the scale's partial sums come out of one fused pass, and ``buf``
     is written once (:func:`~jaxcomm.fusion.written_once`): its consumers (the packed signs, the new
     residual) read it instead of recomputing it from every leaf and the error.
 

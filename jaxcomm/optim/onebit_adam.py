@@ -258,7 +258,7 @@ def scale_by_onebit_adam(
         # A non-finite mean (NaN/Inf on any device) skips the step: moments and error feedback
         # stay, nothing moves. The step is taken of the kept moments (else XLA copies mu, nu).
         mu = mu if fallback_is_skip else keep_if(ok, mu, state.mu)
-        if frozen is True:  # decoded once: the step's RMS and the update read it (GPU, TPU)
+        if frozen is True:  # decoded once: the step's RMS and the update read it (GPU)
             (mu,) = written_once(mu)
         nu = keep_if(ok, nu, state.nu)
         comm = keep_error_feedback(ok, comm, state.comm, state.mu, compressor, bucket_bytes)

@@ -55,7 +55,7 @@ def write_or_keep(finite: jax.Array, write: Callable, keep: Callable, *operands:
     def branched(*ops):
         return lax.cond(finite, write, keep, *ops)
 
-    return lax.platform_dependent(*operands, cuda=branchless, rocm=branchless, default=branched)
+    return _on_gpu_else(*operands, gpu=branchless, other=branched)
 
 
 def written_once(*values: Any) -> Any:
@@ -68,7 +68,14 @@ def written_once(*values: Any) -> Any:
     time. XLA:CPU's fusion already writes it once, and a barrier there would stop the
     producer from fusing into the buffer's first consumer.
     """
+
     def once(*v):
         return lax.optimization_barrier(v)
 
-    return lax.platform_dependent(*values, cuda=once, rocm=once, default=lambda *v: v)
+    return _on_gpu_else(*values, gpu=once, other=lambda *v: v)
+
+
+def _on_gpu_else(*operands: Any, gpu: Callable, other: Callable) -> Any:
+    """``gpu(*operands)`` in a program lowered for an NVIDIA or AMD GPU, else
+    ``other(*operands)`` (decided at lowering; the tests call ``gpu`` on CPU through it)."""
+    return lax.platform_dependent(*operands, cuda=gpu, rocm=gpu, default=other)

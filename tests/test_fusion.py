@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+from jaxcomm import fusion
 from jaxcomm.fusion import write_or_keep, written_once
 
 
@@ -66,3 +67,39 @@ def test_written_once_is_a_barrier_on_gpu_only():
     assert "optimization_barrier" not in _lowered(fn, x, platform="cpu")
     assert "optimization_barrier" not in _lowered(fn, x, platform="tpu")
     assert "optimization_barrier" in _lowered(fn, x, platform="cuda")
+
+
+@pytest.fixture
+def gpu_forms(monkeypatch):
+    """The GPU forms on CPU: every helper takes its GPU branch whatever the backend."""
+    monkeypatch.setattr(fusion, "_on_gpu_else", lambda *ops, gpu, other: gpu(*ops))
+
+
+def test_gpu_forms_run_on_cpu(gpu_forms):
+    x, old = jnp.linspace(-1.0, 1.0, 5), _old()
+    for ok in (True, False):
+        got = jax.jit(lambda ok, x, old: write_or_keep(ok, _write, _keep, x, old))(ok, x, old)
+        want = lax.cond(ok, _write, _keep, x, old)
+        for k in want:
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+    fn = jax.jit(lambda x: written_once(x * 2.0)[0] + 1.0)
+    assert "optimization_barrier" in fn.lower(x).as_text()
+
+
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+def test_optimizers_give_the_same_bits_with_the_gpu_forms(name, monkeypatch):
+    # The programs compiled for a GPU keep a skipped step's state by selects and write
+    # OneBit's input once: run on CPU, a schedule with non-finite steps (warm-up and
+    # compressed) gives the CPU forms' parameters and state bit for bit.
+    from tests.optim.test_optim_robustness import BUILDERS, poisoned
+    from tests.optim.test_optimizers import grad_steps, run
+
+    clean = grad_steps(11, seed=5)
+    steps = clean[:2] + [poisoned(clean[2], np.nan)] + clean[2:7]
+    steps += [poisoned(clean[7], np.inf)] + clean[7:]
+    want, want_state = run(BUILDERS[name](), steps, phased=True)
+    monkeypatch.setattr(fusion, "_on_gpu_else", lambda *ops, gpu, other: gpu(*ops))
+    got, got_state = run(BUILDERS[name](), steps, phased=True)
+    for a, b in zip(jax.tree.leaves((got, got_state)), jax.tree.leaves((want, want_state)),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

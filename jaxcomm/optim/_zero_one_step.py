@@ -158,8 +158,8 @@ def step_kind(t: jax.Array, state, var_freeze_step):
     sync = (t % state.local_interval) == 0
     first = t == var_freeze_step + 1
     synced = jnp.where(first, 4, 3)
-    kind = jnp.where(frozen, jnp.where(sync, synced, 2), jnp.where(var_step, 0, 1))
-    kind = phase(kind.astype(jnp.int32), 5)
+    value = jnp.where(frozen, jnp.where(sync, synced, 2), jnp.where(var_step, 0, 1))
+    kind = phase(value.astype(jnp.int32), 5)
     if isinstance(kind, int):
         return min(kind, 3), kind == 4, frozen, var_step
     return jnp.minimum(kind, 3), kind == 4, frozen, var_step

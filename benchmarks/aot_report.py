@@ -8,7 +8,8 @@ For every compile it records:
 
 * whether it compiles (or the error), compile seconds, peak memory per device
   (``compiled.memory_analysis()``), and the bytes accessed per device by XLA's own cost
-  analysis (``compiled.cost_analysis()``, where the compiled program exposes it);
+  analysis (``compiled.cost_analysis()``; where the compiled program exposes none, XLA:GPU
+  compiled without a GPU, the same count from its HLO text by ``benchmarks/hlo_bytes.py``);
 * every collective of the compiled HLO (``jaxcomm.inspect.collectives_in_hlo``): kind, dtype,
   bytes each device sends (ring/pairwise model, see ``jaxcomm.inspect``), and the same bytes
   as laid out in the layout's tiles (``tiled_wire_bytes``: on TPU a uint8 ``(1, R)`` row fills
@@ -84,6 +85,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from hlo_bytes import hlo_bytes_accessed  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -885,7 +887,8 @@ def compile_row(row: dict, lower: Callable, mesh, method: Method, cfg, out: str)
         analysis = analyse(text, list(mesh.devices.flat))
         row.update(
             compiles=True, compile_s=secs, peak_bytes=peak_bytes(compiled),
-            cost=cost_of(compiled), hlo_file=fname, analysis=analysis,
+            cost=cost_of(compiled), hlo_bytes=hlo_bytes_accessed(text), hlo_file=fname,
+            analysis=analysis,
         )  # fmt: skip
         if row["slices"] > 1:
             row["levels"] = level_bytes(
@@ -935,9 +938,11 @@ def _pct(x) -> str:
 
 
 def accessed_of(row: dict) -> float | None:
-    """XLA's cost analysis of the row's program: bytes accessed per device (``None`` where the
-    compiled program exposes none, e.g. XLA:GPU compiled without a GPU)."""
-    return (row.get("cost") or {}).get("bytes accessed")
+    """Bytes accessed per device of the row's program: XLA's cost analysis, or where the
+    compiled program exposes none (XLA:GPU compiled without a GPU) the HLO count of
+    ``benchmarks/hlo_bytes.py`` (``None`` in rows recorded before it)."""
+    measured = (row.get("cost") or {}).get("bytes accessed")
+    return row.get("hlo_bytes") if measured is None else measured
 
 
 def print_table(rows: list[dict]) -> None:

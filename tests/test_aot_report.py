@@ -124,3 +124,10 @@ def test_diloco_inner_step_sends_only_scalars_across(two_nodes):
     assert lv["slow_bytes"] <= 16  # the loss the step returns (pmean over both axes)
     assert lv["fast_bytes"] > 0  # the exact gradient mean inside the node
     assert lv["passes"]
+
+
+def test_bytes_accessed_from_the_cost_analysis_else_the_hlo_count():
+    # XLA:GPU compiled without a GPU exposes no cost analysis: the column reads the HLO count.
+    assert aot_report.accessed_of({"cost": {"bytes accessed": 10.0}, "hlo_bytes": 12.0}) == 10.0
+    assert aot_report.accessed_of({"cost": None, "hlo_bytes": 12.0}) == 12.0
+    assert aot_report.accessed_of({"cost": None}) is None

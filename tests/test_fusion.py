@@ -6,9 +6,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 
+import jaxcomm as jc
 from jaxcomm import fusion
 from jaxcomm.fusion import write_or_keep, written_once
 
@@ -86,7 +88,7 @@ def test_gpu_forms_run_on_cpu(gpu_forms):
     assert "optimization_barrier" in fn.lower(x).as_text()
 
 
-@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam", "onebit_lamb"])
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam", "onebit_lamb", "diloco"])
 def test_optimizers_give_the_same_bits_with_the_gpu_forms(name, monkeypatch):
     # The programs compiled for a GPU keep a skipped step's state by selects and write
     # OneBit's input once: run on CPU, a schedule with non-finite steps (warm-up and
@@ -94,12 +96,18 @@ def test_optimizers_give_the_same_bits_with_the_gpu_forms(name, monkeypatch):
     from tests.optim.test_optim_robustness import BUILDERS, poisoned
     from tests.optim.test_optimizers import grad_steps, run
 
+    builders = dict(BUILDERS)
+    builders["diloco"] = lambda: jc.diloco(
+        optax.adam(0.02), optax.sgd(0.7, momentum=0.9, nesterov=True), 3, "dp",
+        compressor=jc.Quantize(4, error_feedback=True),
+    )  # fmt: skip
+
     clean = grad_steps(11, seed=5)
     steps = clean[:2] + [poisoned(clean[2], np.nan)] + clean[2:7]
     steps += [poisoned(clean[7], np.inf)] + clean[7:]
-    want, want_state = run(BUILDERS[name](), steps, phased=True)
+    want, want_state = run(builders[name](), steps, phased=True)
     monkeypatch.setattr(fusion, "_on_gpu_else", lambda *ops, gpu, other: gpu(*ops))
-    got, got_state = run(BUILDERS[name](), steps, phased=True)
+    got, got_state = run(builders[name](), steps, phased=True)
     for a, b in zip(jax.tree.leaves((got, got_state)), jax.tree.leaves((want, want_state)),
                     strict=True):  # fmt: skip
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -25,6 +25,7 @@ from jax import lax
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.axes import AxisName
+from jaxcomm.fusion import written_once
 from jaxcomm.guard import SkipCounters, keep_if
 from jaxcomm.optim._common import resolve_axis_size, varying
 from jaxcomm.optim._skip import all_finite
@@ -108,7 +109,11 @@ def make_outer_step(outer: optax.GradientTransformation, alpha, axis_name: AxisN
     def outer_step(delta, theta, outer_state, local, skips: SkipCounters):
         updates, new_outer = outer.update(delta, outer_state, theta)
         new_theta = optax.apply_updates(theta, updates)
-        finite = all_finite(delta, new_theta)
+        # The probe recomputes the new anchor from its inputs behind a barrier (on GPU): else
+        # XLA:GPU writes it for the probe and reads it back in the selects (H100 program:
+        # -1 pass of the parameters).
+        d_, th_, st_ = written_once(delta, theta, outer_state)
+        finite = all_finite(d_, optax.apply_updates(th_, outer.update(d_, st_, th_)[0]))
         new_theta = keep_if(finite, new_theta, theta)
         new_outer = keep_if(finite, new_outer, outer_state)
         if static_alpha_zero:

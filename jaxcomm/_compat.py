@@ -37,7 +37,7 @@ def _axes(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
 
 
-def _vma(x) -> frozenset:
+def varying_axes(x) -> frozenset:
     """Axes along which ``x`` is typed device-varying (empty outside ``check_vma`` tracing)."""
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)  # jax >= 0.9 keeps the varying axes on aval.mat
@@ -52,7 +52,7 @@ def ensure_varying(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
     all_to_all and all_gather require device-varying operands under ``check_vma=True``; a
     replicated input is, by definition, the same value on every device, so casting it is exact.
     """
-    missing = tuple(a for a in _axes(axis_name) if a not in _vma(x))
+    missing = tuple(a for a in _axes(axis_name) if a not in varying_axes(x))
     if not missing:
         return x
     try:
@@ -66,7 +66,7 @@ def ensure_varying(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
 def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
     """``x`` typed device-varying along every axis ``like`` varies along (a no-op outside
     ``check_vma`` tracing): the two branches of a ``lax.cond`` must agree on it."""
-    axes = tuple(sorted(_vma(like) - _vma(x)))
+    axes = tuple(sorted(varying_axes(like) - varying_axes(x)))
     return ensure_varying(x, axes) if axes else x
 
 
@@ -77,7 +77,7 @@ def all_gather_replicated(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax
     users to return reduced gradients/params with ``out_specs=P(axis)``. The values are identical
     on every device, so the invariant variant states the truth.
     """
-    if _all_gather_invariant is not None and set(_axes(axis_name)) <= _vma(x):
+    if _all_gather_invariant is not None and set(_axes(axis_name)) <= varying_axes(x):
         return _all_gather_invariant(x, axis_name)
     return lax.all_gather(x, axis_name)
 

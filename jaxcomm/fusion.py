@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomm._compat import varying_axes
+
 
 def write_or_keep(finite: jax.Array, write: Callable, keep: Callable, *operands: Any) -> Any:
     """``write(*operands)`` where ``finite`` (a bool scalar), else ``keep(*operands)``: the
@@ -50,7 +52,14 @@ def write_or_keep(finite: jax.Array, write: Callable, keep: Callable, *operands:
     """
 
     def branchless(*ops):
-        return jax.tree.map(lambda a, b: jnp.where(finite, a, b), write(*ops), keep(*ops))
+        written, kept = write(*ops), keep(*ops)
+        verdict_axes = varying_axes(finite)
+        if any(not verdict_axes <= varying_axes(w) for w in jax.tree.leaves(written)):
+            # A verdict varying where the values are not (a per-device guard over a replicated
+            # mean): a select would type the result varying, a conditional keeps the values'
+            # type, and both forms must agree.
+            return branched(*ops)
+        return jax.tree.map(lambda a, b: jnp.where(finite, a, b), written, kept)
 
     def branched(*ops):
         return lax.cond(finite, write, keep, *ops)

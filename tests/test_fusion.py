@@ -111,3 +111,30 @@ def test_optimizers_give_the_same_bits_with_the_gpu_forms(name, monkeypatch):
     for a, b in zip(jax.tree.leaves((got, got_state)), jax.tree.leaves((want, want_state)),
                     strict=True):  # fmt: skip
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("forms", ["cpu", "gpu"])
+def test_a_per_device_verdict_over_replicated_values_under_check_vma(forms, mesh, monkeypatch):
+    # A guard whose verdict varies by device (a worker's own probe) over a replicated value
+    # (an all-reduced mean): a select would type the result device-varying where the
+    # conditional keeps it replicated, so the GPU form takes the conditional there; both forms
+    # must trace (every backend traces both) and each device keeps or writes by its own verdict.
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if forms == "gpu":
+        monkeypatch.setattr(fusion, "_on_gpu_else", lambda *ops, gpu, other: gpu(*ops))
+    n = mesh.shape["dp"]
+
+    def body(local):
+        mean = lax.pmean(jnp.sum(local), "dp") * jnp.ones(3)  # replicated
+        finite = jnp.sum(local) > 0  # varies by device
+        out = write_or_keep(finite, lambda m: m + 1.0, lambda m: jnp.zeros_like(m), mean)
+        return lax.pcast(out, "dp", to="varying")[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp")))
+    local = jnp.arange(n, dtype=jnp.float32) - 2.0  # devices 0..2 keep, 3.. write
+    got = np.asarray(fn(jax.device_put(local, NamedSharding(mesh, P("dp")))))
+    mean = float(np.mean(np.asarray(local)))
+    want = np.where((np.asarray(local) > 0)[:, None], mean + 1.0, 0.0) * np.ones((n, 3))
+    np.testing.assert_array_equal(got, want)

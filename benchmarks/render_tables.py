@@ -422,17 +422,42 @@ def is_bytes_accessed(name, doc):
     return name.startswith("bytes_accessed_") and doc.get("measure") is not None
 
 
+def _model_name(model: dict) -> str:
+    """A short name of a ``bytes_accessed.py`` model: ``MLP 8 x 4096`` or ``GPT 12 x 768``."""
+    if model.get("kind") == "mlp":
+        return f"MLP {model['layers']} x {model['width']}"
+    if model.get("kind") == "gpt":
+        return f"GPT {model['layers']} x {model['width']}"
+    return str(model.get("kind", MISSING))
+
+
+def _model_text(model: dict) -> str:
+    if model.get("kind") == "mlp":
+        return (f"{_model_name(model)}: an MLP of {model['layers']} layers of width "
+                f"{model['width']} ({model['parameters']:,} {model['dtype']} parameters), "
+                f"{model['batch_per_device']} rows per device")  # fmt: skip
+    if model.get("kind") == "gpt":
+        return (f"{_model_name(model)}: a GPT-style LM of {model['layers']} layers, width "
+                f"{model['width']}, {model['heads']} heads, sequence {model['seq']}, "
+                f"vocabulary {model['vocab']} ({model['parameters']:,} fp32 parameters, bf16 "
+                f"matmuls), {model['batch_per_device']} sequences per device")  # fmt: skip
+    return ", ".join(f"{k} {v}" for k, v in model.items()) if model else MISSING
+
+
 def memory_table(results: dict[str, dict]) -> str:
     """Bytes through memory per step against the local Adam step, one column per results file
     of ``benchmarks/bytes_accessed.py`` and device count, rows in the files' order."""
     files = [(n, d) for n, d in results.items() if is_bytes_accessed(n, d)]
     if not files:
         return "No results file of `benchmarks/bytes_accessed.py`.\n"
-    columns: list[tuple[str, str, int]] = []  # (file, platform, devices)
+    # The MLP first (the table's reference), then the other models.
+    files.sort(key=lambda f: (f[1].get("model", {}).get("kind") != "mlp", f[0]))
+    columns: list[tuple[str, str, int]] = []  # (file, label, devices)
     rows: dict[tuple[str, str], dict] = {}
     for name, doc in files:
         plat = doc.get("target", {}).get("platform", "cpu")
-        label = "H100 (compiled, no GPU)" if plat == "h100" else "CPU"
+        label = "H100 (compiled)" if plat == "h100" else "CPU"
+        label = f"{_model_name(doc.get('model', {}))}, {label}"
         for r in doc["rows"]:
             if r["method"] == "local":
                 continue
@@ -454,14 +479,11 @@ def memory_table(results: dict[str, dict]) -> str:
         + [cell(row.get(col), row["target"]) for col in columns]
         for (m, phase), row in rows.items()
     ]
-    m = files[0][1].get("model", {})
-    if m.get("kind") == "mlp":
-        what = (f"an MLP of {m['layers']} layers of width {m['width']} ({m['parameters']:,} "
-                f"{m['dtype']} parameters), {m['batch_per_device']} rows per device")
-    else:
-        what = ", ".join(f"{k} {v}" for k, v in m.items()) if m else MISSING
+    models: dict[str, None] = {}
+    for _, doc in files:
+        models.setdefault(_model_text(doc.get("model", {})), None)
     sources = ", ".join(source(n) for n, _ in files)
-    return table(header, body) + f"\nModel: {what}. Sources: {sources}.\n"
+    return table(header, body) + "\nModels: " + "; ".join(models) + f". Sources: {sources}.\n"
 
 
 RENDERERS = {

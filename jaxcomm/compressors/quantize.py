@@ -43,12 +43,18 @@ def quantize_blocks(values: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]
     ``q = clamp(round_half_even(x * scale), -2^(b-1), 2^(b-1) - 1)``; returns ``q`` (int8) and
     the stored value ``1 / scale`` (fp32, one per block); ``x ~ q / scale``.
     """
+    levels, inv = quantized_levels(values, bits)
+    return levels.astype(jnp.int8), inv
+
+
+def quantized_levels(values: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`quantize_blocks` with the levels as fp32 integers (the int8 codes' values)."""
     absmax = jnp.max(jnp.abs(values), axis=-1)
     scale = jnp.where(absmax == 0, 1.0, (2.0**bits) / (2.0 * absmax)).astype(jnp.float32)
     half = 2 ** (bits - 1)
     # jnp.round rounds half to even, as ZeRO++'s quantizer.
-    q = jnp.clip(jnp.round(values * scale[..., None]), -half, half - 1).astype(jnp.int8)
-    return q, 1.0 / scale
+    levels = jnp.clip(jnp.round(values * scale[..., None]), -half, half - 1)
+    return levels, 1.0 / scale
 
 
 def pack_int4(q: jax.Array) -> jax.Array:
@@ -121,8 +127,11 @@ class Quantize(StagedCodec):
 
     def encode(self, blocks, divisor):
         del divisor  # absmax scaling is scale-invariant: nothing to guard
-        q, inv = quantize_blocks(blocks, self.bits)
-        recon = q.astype(jnp.float32) * inv[..., None]
+        levels, inv = quantized_levels(blocks, self.bits)
+        q = levels.astype(jnp.int8)
+        # The reconstruction from the fp32 levels, not from the int8 codes: the same values
+        # (integers below 2^7 are exact in fp32), and no read of the codes back.
+        recon = levels * inv[..., None]
         return ((pack_int4(q) if self.bits == 4 else q), inv), recon
 
     def decode(self, wire):

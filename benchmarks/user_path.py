@@ -135,7 +135,7 @@ def _worker(args: argparse.Namespace) -> None:
 
         def run(steps):
             for _ in range(steps):
-                holder["state"], loss = program(holder["state"], placed)
+                holder["state"], loss, *_ = program(holder["state"], placed)  # (skip report)
             return loss
 
         return run

@@ -63,6 +63,14 @@ def ensure_varying(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
         return x
 
 
+def same_trace(x: object, like: object) -> bool:
+    """Whether ``x`` and ``like`` are tracers of one trace (a value computed in a nested
+    ``lax.cond`` branch, ``vmap`` or ``scan`` is not; ``False`` for concrete values, or where
+    JAX keeps no ``_trace`` on its tracers)."""
+    trace = getattr(like, "_trace", None)
+    return trace is not None and getattr(x, "_trace", None) is trace
+
+
 def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
     """``x`` typed device-varying along every axis ``like`` varies along (a no-op outside
     ``check_vma`` tracing): the two branches of a ``lax.cond`` must agree on it."""

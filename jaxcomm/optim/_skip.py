@@ -21,7 +21,7 @@ from jax import lax
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.state import ReduceState, plan_tree
 from jaxcomm.compressors import Compressor
-from jaxcomm.guard import SkipCounters, keep_if, probes_finite
+from jaxcomm.guard import SkipCounters, host_skip_caps, keep_if, probes_finite, too_many_skips
 from jaxcomm.optim.schedule import recording_phases
 
 PyTree = Any
@@ -73,21 +73,23 @@ def mean_finite(
 
 
 def check_skips(skipped: jax.Array, limit: int | None, name: str) -> None:
-    """Raise at run time (``FloatingPointError`` inside a ``JaxRuntimeError``) once ``skipped``
-    consecutive non-finite steps exceed ``limit`` (``None``: never, and no host callback: the
-    check is one ``jax.debug.callback`` per step)."""
+    """Raise (``FloatingPointError``) once ``skipped`` consecutive non-finite steps exceed
+    ``limit`` (``None``: never, and no check at all).
+
+    In the program by default: a ``jax.debug.callback`` in a conditional, raising at run time
+    inside a ``JaxRuntimeError``. A step traced under :func:`jaxcomm.guard.skip_caps_on_host`
+    (``jc.make_train_step`` on GPU) takes the streak and the cap out of the program instead,
+    and the host raises once that step is done."""
     if limit is None or recording_phases():  # the probe of a phased step has no effects
+        return
+    host = host_skip_caps()
+    if host is not None and host.take(skipped, limit, name):
         return
 
     def check(n, cap):
         n, cap = int(np.max(np.asarray(n))), int(np.min(np.asarray(cap)))
         if n > cap:
-            raise FloatingPointError(
-                f"jaxcomm: {name} skipped {n} consecutive steps whose gradients, mean or update "
-                f"were not finite (max_consecutive_skips={cap}): the run is diverging or its "
-                "data is bad; lower the learning rate, check the inputs, or resume from a "
-                "checkpoint"
-            )
+            raise too_many_skips(name, n, cap)
 
     # In a cond the callback costs nothing until it is due; the host checks again (under vmap a
     # cond on a batched predicate runs both branches). The limit is an argument, not a closure:

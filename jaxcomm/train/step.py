@@ -16,6 +16,7 @@ parameters is refused at trace time by ``check_vma`` instead of silently divergi
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.axes import canonical_axis, mesh_axis_sizes
+from jaxcomm.guard import raise_past_caps, skip_caps_on_host
 from jaxcomm.optim.diloco.background import BackgroundSync, background_update
 from jaxcomm.optim.schedule import record_phases
 from jaxcomm.train.layout import (
@@ -64,6 +66,12 @@ class TrainStep:
     may have changed (then it waits for that state; the 1-bit optimizers' phases are known for
     the rest of the warm-up and for good after it); ``step.phased`` is that object (``None`` for
     a single program), ``step.lower(state, batch)`` the lowering of the program this state runs.
+
+    Where the optimizers' ``max_consecutive_skips`` is checked on the host (``skip_names`` not
+    ``None``; ``jc.make_train_step`` on GPU), each program returns a third output, the skip
+    streaks and caps, which a call checks once its step is done: a run past the cap raises
+    ``FloatingPointError`` from a later call (at most ``max_in_flight`` later), or from
+    :meth:`check_skips`.
     """
 
     def __init__(
@@ -75,6 +83,7 @@ class TrainStep:
         background: BackgroundSync | None = None,
         place_abstract: Callable[[PyTree], PyTree] | None = None,
         precompile: bool = False,
+        skip_names: list[str] | None = None,
     ) -> None:
         if max_in_flight is not None and (
             isinstance(max_in_flight, bool)
@@ -91,6 +100,10 @@ class TrainStep:
         self._place_abstract = place_abstract  # a batch of jax.ShapeDtypeStruct, placed
         # The background sync's programs still to compile before the first step runs.
         self._sync_programs_pending = precompile and background is not None
+        # Host-checked skip caps: the optimizers' names (filled in when a program is traced)
+        # and the reports of the steps not checked yet.
+        self._skip_names = skip_names
+        self._reports: collections.deque = collections.deque()
 
     @property
     def phased(self) -> PhasedStep | None:
@@ -99,19 +112,30 @@ class TrainStep:
 
     def __call__(self, state: PyTree, batch: PyTree):
         if self.background is None:
-            new_state, metrics = self._program(state, self._place(batch))
+            new_state, metrics, *report = self._program(state, self._place(batch))
         else:
             if self._sync_programs_pending:
                 self.background.compile_all(state)
                 self._sync_programs_pending = False
             state = self.background.before(state)
-            new_state, metrics = self._program(state, self._place(batch))
+            new_state, metrics, *report = self._program(state, self._place(batch))
             self.background.after(new_state)
+        # (a step traced inside the caller's own jit returns a tracer: nothing to check here)
+        self._reports.extend(r for r in report if not isinstance(r, jax.core.Tracer))
         if self.max_in_flight is not None:
             self._queued.append(jax.tree.leaves(metrics)[0])
             while len(self._queued) > self.max_in_flight:
                 jax.block_until_ready(self._queued.popleft())
+        self.check_skips(wait=False)
         return new_state, metrics
+
+    def check_skips(self, *, wait: bool = True) -> None:
+        """Raise ``FloatingPointError`` if a step run so far skipped more non-finite steps in a
+        row than its optimizer's ``max_consecutive_skips``, where the host checks it (see
+        above; elsewhere the program raises itself). ``wait``: wait for the steps still
+        running (the end of a loop); ``False``: check only those already done (each call)."""
+        while self._reports and (wait or self._reports[0].is_ready()):
+            raise_past_caps(self._reports.popleft(), self._skip_names or ())
 
     def lower(self, state: PyTree, batch: PyTree):
         """``jax.jit(...).lower`` of the program that ``step(state, batch)`` would run."""
@@ -128,7 +152,8 @@ class TrainStep:
         return self._need_phased().phases(state, self._place(batch))
 
     def program(self, values: tuple[int, ...]) -> Callable:
-        """The jitted program of one phase combination (takes a placed batch)."""
+        """The jitted program of one phase combination (takes a placed batch; returns
+        ``(state, metrics)``, and the skip report where the host checks the skip caps)."""
         return self._need_phased().program(values)
 
     @property
@@ -221,6 +246,7 @@ def make_train_step(
     max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
     mean_metrics: bool = True,
     precompile: bool = True,
+    check_skips_on_host: bool | None = None,
 ) -> tuple[TrainStep, TrainState]:
     """A jitted ``shard_map`` data-parallel train step and its initial state.
 
@@ -259,6 +285,14 @@ def make_train_step(
       mean_metrics: average the loss (and ``aux``) over the devices, one small all-reduce per
         step; ``False``: each device's own, stacked ``(n, ...)`` over ``axis_name``, so that a
         step that does not communicate otherwise (DiLoCo's inner steps) sends nothing at all.
+      check_skips_on_host: where the jaxcomm optimizers' ``max_consecutive_skips`` is
+        checked. ``True``: on the host, from each step's streaks (a small third output of
+        the program), once the step is done: a run past the cap raises ``FloatingPointError``
+        from a later call (at most ``max_in_flight`` calls later, at once with
+        ``step.check_skips()``). ``False``: in the program (a conditional host callback,
+        raising inside the step's ``JaxRuntimeError``). ``None`` (default): on the host on GPU,
+        where a conditional copies its predicate to the host and blocks it every step (the
+        host could no longer queue steps ahead of the device), in the program elsewhere.
 
     Returns:
       ``(step, state)``: ``step(state, batch) -> (state, metrics)`` (a
@@ -272,6 +306,8 @@ def make_train_step(
     """
     axis_name = canonical_axis(axis_name)
     state = init_train_state(mesh, axis_name, tx, params)
+    on_host = _on_gpu(mesh.devices.flat) if check_skips_on_host is None else check_skips_on_host
+    skip_names: list[str] | None = [] if on_host else None
 
     def global_step(state: TrainState, batch, probe: bool = False):
         specs = train_state_specs(state, axis_name)
@@ -284,26 +320,24 @@ def make_train_step(
                         loss_fn, tx, axis_name, has_aux, local_view(state), batch, True, blocks
                     )
                 return ensure_varying(recorded.as_array(), axis_name)[None]
-            new, metrics = local_train_step(
-                loss_fn,
-                tx,
-                axis_name,
-                has_aux,
-                local_view(state),
-                batch,
-                True,
-                blocks,
-                mean_metrics,
-            )
-            if blocks is None:
-                return global_view(new), metrics
-            return TrainState(new.params, global_view(new.opt_state)), metrics
+            args = (loss_fn, tx, axis_name, has_aux, local_view(state), batch, True, blocks)
+            with _skip_caps(on_host, state) as caps:
+                new, metrics = local_train_step(*args, mean_metrics)
+            if blocks is not None:
+                new = TrainState(new.params, global_view(new.opt_state))
+            out = (global_view(new) if blocks is None else new), metrics
+            if caps is None:
+                return out
+            skip_names[:] = caps.names
+            return *out, caps.report(axis_name)
 
+        metrics_spec = P() if mean_metrics else P(axis_name)
+        step_specs = (specs, metrics_spec) + ((P(axis_name),) if on_host else ())
         mapped = jax.shard_map(
             body,
             mesh=mesh,
             in_specs=(specs, _split_batch_spec(axis_name, batch)),
-            out_specs=P(axis_name) if probe else (specs, P() if mean_metrics else P(axis_name)),
+            out_specs=P(axis_name) if probe else step_specs,
             check_vma=check_vma,
         )
         try:
@@ -341,8 +375,22 @@ def make_train_step(
         background=background,
         place_abstract=place_abstract,
         precompile=precompile,
+        skip_names=skip_names,
     )
     return step, state
+
+
+def _on_gpu(devices) -> bool:
+    """Whether the step runs on NVIDIA or AMD GPUs (attached or described, for an
+    ahead-of-time compile)."""
+    return any(getattr(d, "platform", "") in ("gpu", "cuda", "rocm") for d in devices)
+
+
+def _skip_caps(on_host: bool, like: PyTree):
+    """:func:`jaxcomm.guard.skip_caps_on_host` at ``like``'s trace level, or no collector."""
+    if not on_host:
+        return contextlib.nullcontext()
+    return skip_caps_on_host(jax.tree.leaves(like)[0])
 
 
 def _owned(tree: PyTree) -> PyTree:
@@ -362,6 +410,7 @@ def make_pmap_train_step(
     donate: bool = True,
     specialize_phases: bool = True,
     max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
+    check_skips_on_host: bool | None = None,
 ) -> tuple[Callable, TrainState]:
     """The ``jax.pmap`` variant of :func:`make_train_step`.
 
@@ -378,7 +427,7 @@ def make_pmap_train_step(
     ``tx`` must average the gradients over ``axis_name`` (a jaxcomm optimizer, or an optax one
     chained after :func:`jaxcomm.compressed_mean`). :func:`make_train_step` refuses one that
     does not; ``pmap`` tracks no replication, so here each device's parameters would drift
-    apart silently.
+    apart silently. ``check_skips_on_host`` as :func:`make_train_step`'s.
     """
     devices = list(jax.local_devices() if devices is None else devices)
     n = len(devices)
@@ -386,15 +435,28 @@ def make_pmap_train_step(
     stacked_params = jax.tree.map(lambda p: repeat(p, n), params)
     state = _owned(TrainState(stacked_params, opt_state))  # pmap places rows on first call
 
-    def body(state, batch):
+    on_host = _on_gpu(devices) if check_skips_on_host is None else check_skips_on_host
+    skip_names: list[str] | None = [] if on_host else None
+
+    def step_body(state, batch):
         return local_train_step(loss_fn, tx, axis_name, has_aux, state, batch, varying=False)
+
+    def body(state, batch):
+        with _skip_caps(on_host, state) as caps:
+            out = step_body(state, batch)
+        if caps is None:
+            return out
+        skip_names[:] = caps.names
+        return *out, caps.report(None)[0]
 
     def probe(state, batch):  # the phases only: the step itself is dead code
         with record_phases() as recorded:
-            body(state, batch)
+            step_body(state, batch)
         return recorded.as_array()
 
-    def compile_pmap(fn, donate_argnums=(), out_axes=(0, None)):
+    step_axes = (0, None, 0) if on_host else (0, None)
+
+    def compile_pmap(fn, donate_argnums=(), out_axes=step_axes):
         return jax.pmap(
             fn,
             axis_name=axis_name,
@@ -429,6 +491,6 @@ def make_pmap_train_step(
 
         return jax.tree_util.tree_map_with_path(rows, batch)
 
-    step = TrainStep(pmapped, split, max_in_flight=max_in_flight)
+    step = TrainStep(pmapped, split, max_in_flight=max_in_flight, skip_names=skip_names)
     step.pmapped = pmapped
     return step, state

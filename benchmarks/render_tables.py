@@ -105,6 +105,28 @@ def is_user_path(name, doc):
     return "readme_onebit" in doc.get("step_s", {})
 
 
+def user_path(results: dict[str, dict]) -> tuple[str, dict] | tuple[None, None]:
+    """The user's-path results to show: a run on a full-duplex link (each process its own
+    link, as hosts have) before one on the shared loopback, the newest first."""
+    runs = [(n, d) for n, d in results.items() if is_user_path(n, d)]
+    if not runs:
+        return None, None
+    return max(runs, key=lambda r: (bool(r[1].get("link", {}).get("full_duplex")),
+                                    r[1].get("date", "")))
+
+
+def link_words(doc: dict) -> str:
+    """How a two-process results file's link was shaped, in words."""
+    link = doc.get("link") or {}
+    rate = str(link.get("rate", doc.get("rate", MISSING)))
+    match = re.fullmatch(r"(\d+)([gm])bit", rate)
+    if match:
+        rate = f"{match[1]} {match[2].upper()}bit/s"
+    if link.get("full_duplex"):
+        return f"{rate} each way, each process in its own network namespace (full duplex)"
+    return f"{rate} on one shaped loopback shared by both processes and directions"
+
+
 def is_torch_peer(name, doc):
     return "torch_fp32" in doc.get("step_s", {})
 
@@ -120,7 +142,7 @@ def source(name: str | None) -> str:
 def choose(results: dict[str, dict]) -> str:
     """The README's table: quality and traffic on the demo task, step time at 1 Gbit/s."""
     demo_name, demo = find(results, is_demo)
-    path_name, path = find(results, is_user_path)
+    path_name, path = user_path(results)
     step = path["step_s"] if path else {}
     base = {r["method"]: r for r in demo["rows"]}.get("adam") if demo else None
     rows = []
@@ -148,8 +170,9 @@ def choose(results: dict[str, dict]) -> str:
         notes.append(f"Loss and bytes: `jaxcomm demo`'s byte-level transformer LM, {c['steps']} "
                      f"steps on {demo['devices']} simulated devices ({source(demo_name)}).")
     if path:
-        notes.append(f"Step time: a 16.8M-parameter MLP, two processes on a 1 Gbit/s link, "
-                     f"every other argument at its default ({source(path_name)}).")
+        notes.append(f"Step time: a 16.8M-parameter MLP, two processes joined by a link of "
+                     f"{link_words(path)}, every other argument at its default "
+                     f"({source(path_name)}).")
     return out + "\n" + " ".join(notes) + "\n"
 
 
@@ -206,7 +229,7 @@ USER_PATH = {
 
 
 def user_path_table(results: dict[str, dict]) -> str:
-    name, doc = find(results, is_user_path)
+    name, doc = user_path(results)
     if not doc:
         return "No results file of `benchmarks/user_path.py` yet.\n"
     step = doc["step_s"]
@@ -219,7 +242,7 @@ def user_path_table(results: dict[str, dict]) -> str:
         ratio = "" if ref in (None, key) or ref not in step else f"{step[ref] / step[key]:.2f}x"
         rows.append([label, ms(step[key]), ratio])
     return (table(["what", "step (median, slower rank)", "faster than the exact one"], rows)
-            + f"\nRate {doc.get('rate', MISSING)}, {doc.get('repeats', MISSING)} rounds of "
+            + f"\nLink {link_words(doc)}; {doc.get('repeats', MISSING)} rounds of "
             f"{doc.get('steps_per_round', MISSING)} unread steps ({source(name)}).\n")
 
 

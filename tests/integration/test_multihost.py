@@ -14,7 +14,9 @@ small tanh MLP with ``jc.make_train_step``, each process passing its own rows of
   over ``"dp"`` and over ``("host", "local")``: checked against full-batch gradient descent
   computed here in NumPy (float64);
 * ``onebit_flat`` / ``onebit_tuple``: ``jc.onebit_adam`` past its warm-up: both processes hold
-  the same parameters bit for bit, and the full-batch loss (NumPy) decreases;
+  the same parameters bit for bit, and the full-batch loss (NumPy) decreases; the tuple case
+  checks the skip cap on the host (``check_skips_on_host=True``, as on GPU: each process reads
+  its own shards of the steps' skip reports);
 * ``diloco_tuple`` / ``diloco_tuple_bg``: Streaming DiLoCo over ``("host", "local")`` (int4
   outer gradients with error feedback), its syncs in the step programs and in the background
   (device programs around the host links, which cross between the processes): the same state
@@ -156,13 +158,14 @@ def worker(out_dir: str) -> None:
         h = jnp.tanh(x @ p["w1"] + p["b1"])
         return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
 
-    def run(name, m, axis, tx, steps):
+    def run(name, m, axis, tx, steps, **options):
         try:
-            step, state = jc.make_train_step(m, axis, loss_fn, tx, init_params())
+            step, state = jc.make_train_step(m, axis, loss_fn, tx, init_params(), **options)
             losses = []
             for s in range(steps):
                 state, loss = step(state, process_rows(global_batch(s), rank))
                 losses.append(float(loss))
+            step.check_skips()
             for k, leaf in state.params.items():
                 results[f"{name}/{k}"] = np.asarray(leaf.addressable_data(0))
             results[f"{name}/losses"] = np.array(losses)
@@ -174,7 +177,7 @@ def worker(out_dir: str) -> None:
         run(name, m, axis, tx, SGD_STEPS)
     for name, m, axis in (("onebit_flat", flat, "dp"), ("onebit_tuple", mesh, TUPLE)):
         tx = jc.onebit_adam(ONEBIT_LR, freeze_step=ONEBIT_FREEZE, axis_name=axis)
-        run(name, m, axis, tx, ONEBIT_STEPS)
+        run(name, m, axis, tx, ONEBIT_STEPS, check_skips_on_host=name == "onebit_tuple")
 
     for name, background in (("diloco_tuple", False), ("diloco_tuple_bg", True)):
         try:

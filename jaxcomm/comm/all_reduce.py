@@ -60,7 +60,7 @@ def compressed_psum(
       >>> total["w"][0].tolist(), int(total["count"][0])
       ([12.0, 16.0], 4)
     """
-    out, new, _ = reduce_tree(
+    out, new, _, _ = reduce_tree(
         tree, state, axis_name, compressor, bucket_bytes, mean=False, op="all_reduce"
     )
     return out, new
@@ -101,7 +101,7 @@ def compressed_pmean(
       >>> states.buckets[0].worker_error.shape  # (devices, padded bucket)
       (4, 32)
     """
-    out, new, _ = reduce_tree(
+    out, new, _, _ = reduce_tree(
         tree, state, axis_name, compressor, bucket_bytes, mean=True, op="all_reduce"
     )
     return out, new
@@ -115,7 +115,10 @@ def compressed_pmean_or_fallback(
     axis_name: AxisName,
     compressor: Compressor,
     bucket_bytes: int | None = None,
-) -> tuple[PyTree, ReduceState | None, jax.Array]:
+    return_fresh: bool = False,
+) -> tuple[PyTree, ReduceState | None, jax.Array] | tuple[
+    PyTree, ReduceState | None, jax.Array, PyTree
+]:
     """:func:`compressed_pmean`, with ``fallback``'s leaves for a bucket whose mean is not finite.
 
     For a caller that keeps a value on a non-finite step and whose mean *is* the new value (1-bit
@@ -136,10 +139,14 @@ def compressed_pmean_or_fallback(
       tree, state, axis_name, compressor, bucket_bytes: as :func:`compressed_pmean`.
       fallback: a tree with ``tree``'s structure and leaf shapes (e.g. the previous momentum),
         cast to each leaf's dtype.
+      return_fresh: also return the mean as computed, before the fallback (not finite where
+        the mean is not), for consumers that use it only where ``finite``: each reads the
+        compressed message again (on GPU its decode fuses into the consumer: OneBit's packed
+        signs instead of the written leaves) rather than the leaves written by this call.
 
     Returns:
-      ``(mean or fallback, new state, finite)``; ``finite`` is a bool scalar, replicated as the
-      mean is.
+      ``(mean or fallback, new state, finite)``, and the fresh mean last with
+      ``return_fresh``; ``finite`` is a bool scalar, replicated as the mean is.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxcomm as jc
@@ -153,7 +160,7 @@ def compressed_pmean_or_fallback(
       >>> mean["m"][0].tolist(), bool(finite[0])
       ([7.0, 7.0], False)
     """
-    out, new, flags = reduce_tree(
+    out, new, flags, fresh = reduce_tree(
         tree,
         state,
         axis_name,
@@ -166,4 +173,4 @@ def compressed_pmean_or_fallback(
     finite = jnp.bool_(True)
     for flag in flags:
         finite = finite & flag
-    return out, new, finite
+    return (out, new, finite, fresh) if return_fresh else (out, new, finite)

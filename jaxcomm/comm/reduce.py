@@ -24,7 +24,7 @@ from jaxcomm._compat import bound_axis_size
 from jaxcomm.comm.axes import axis_names
 from jaxcomm.comm.state import StateOp, as_local_block, check_state, keep_finite, plan_tree
 from jaxcomm.comm.two_level import gather_shares, scatter_rows, scatter_share, share_bucket
-from jaxcomm.compressors import Compressor, NoCompression, mean_or_fallback
+from jaxcomm.compressors import Compressor, NoCompression, mean_leaves, mean_or_fallback
 from jaxcomm.compressors.buckets import (
     flatten_bucket,
     flatten_bucket_rank_major,
@@ -99,8 +99,11 @@ def reduce_tree(
 ):
     """All-reduce (concatenated layout) or reduce-scatter (rank-major rows) of every bucket.
 
-    Returns the reduced tree, the new state and, with a ``fallback`` tree (all-reduce means
-    only), the floating buckets' flags (whether each mean was finite, else it is fallback's).
+    Returns the reduced tree, the new state, the floating buckets' flags and the mean as
+    computed. With a ``fallback`` tree (all-reduce means only): the flags say whether each
+    bucket's mean was finite, else the reduced tree holds fallback's leaves, and the mean as
+    computed is the tree before that fallback (not finite where a mean is not); without one,
+    no flags and ``None``.
     """
     names = axis_names(axis_name)
     axis_name = names[0] if len(names) == 1 else names
@@ -122,6 +125,7 @@ def reduce_tree(
     )
     bucket_states = state.buckets if blocks else checked.buckets
     finites, mean_finites = [], []
+    fresh_leaves: dict[int, jax.Array] = {}  # the means before the fallback, by leaf
 
     def one_bucket(bucket, bucket_state):
         if len(names) > 1 and not bucket.exact and bucket.numel:
@@ -142,7 +146,7 @@ def reduce_tree(
         elif fallback_leaves is not None and not bucket.exact:
             kept = [fallback_leaves[i].astype(buf.dtype) for i in bucket.leaf_ids]
             if guarded:
-                parts, bucket_state, finite = comp.guarded_all_reduce_leaves(
+                parts, bucket_state, finite, fresh = comp.guarded_all_reduce_leaves(
                     buf, bucket_state, bucket, kept, axis_name=axis_name, axis_size=axis_size
                 )
                 finites.append(finite)
@@ -150,10 +154,12 @@ def reduce_tree(
                 out, bucket_state = comp.all_reduce_bucket(
                     buf, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size
                 )
-                parts, finite = mean_or_fallback(
-                    _as_requested(out, comp, True, axis_size), bucket, kept
-                )
+                out = _as_requested(out, comp, True, axis_size)
+                parts, finite = mean_or_fallback(out, bucket, kept)
+                fresh = mean_leaves(out, bucket)
             mean_finites.append(finite)
+            for i, x, d in zip(bucket.leaf_ids, fresh, bucket.dtypes, strict=True):
+                fresh_leaves[i] = x.astype(d)
             return [p.astype(d) for p, d in zip(parts, bucket.dtypes, strict=True)], bucket_state
         else:
             if not guarded:
@@ -211,6 +217,8 @@ def reduce_tree(
         kept = [fallback_leaves[i].astype(full.dtype) for i in bucket.leaf_ids]
         parts, finite_mean = mean_or_fallback(full, bucket, kept)
         mean_finites.append(finite_mean)
+        for i, x, d in zip(bucket.leaf_ids, mean_leaves(full, bucket), bucket.dtypes, strict=True):
+            fresh_leaves[i] = x.astype(d)
         return [p.astype(d) for p, d in zip(parts, bucket.dtypes, strict=True)], bucket_state
 
     out, new_states = map_buckets(one_bucket, buckets, len(leaves), bucket_states)
@@ -219,4 +227,8 @@ def reduce_tree(
         if blocks
         else restore(keep_finite(local, new_states, finites))
     )
-    return jax.tree_util.tree_unflatten(treedef, out), kept, mean_finites
+    fresh = None
+    if fallback_leaves is not None:  # exact and empty buckets: their result, never replaced
+        fresh_out = [fresh_leaves.get(i, x) for i, x in enumerate(out)]
+        fresh = jax.tree_util.tree_unflatten(treedef, fresh_out)
+    return jax.tree_util.tree_unflatten(treedef, out), kept, mean_finites, fresh

@@ -54,7 +54,9 @@ def compressed_psum_scatter(
       [[4.0, 4.0], [4.0, 4.0], [4.0, 4.0], [0.0, 0.0]]
     """
     op = "reduce_scatter"
-    out, new, _ = reduce_tree(tree, state, axis_name, compressor, bucket_bytes, mean=False, op=op)
+    out, new, _, _ = reduce_tree(
+        tree, state, axis_name, compressor, bucket_bytes, mean=False, op=op
+    )
     return out, new
 
 
@@ -80,7 +82,7 @@ def compressed_pmean_scatter(
       ((4, 2), True)
     """
     op = "reduce_scatter"
-    out, new, _ = reduce_tree(tree, state, axis_name, compressor, bucket_bytes, mean=True, op=op)
+    out, new, _, _ = reduce_tree(tree, state, axis_name, compressor, bucket_bytes, mean=True, op=op)
     return out, new
 
 

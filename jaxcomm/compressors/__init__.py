@@ -8,6 +8,7 @@ Public names are exported from :mod:`jaxcomm`.
 """
 
 from jaxcomm.compressors._base import Compressor as Compressor
+from jaxcomm.compressors._base import mean_leaves as mean_leaves
 from jaxcomm.compressors._base import mean_or_fallback as mean_or_fallback
 from jaxcomm.compressors.cast import Cast as Cast
 from jaxcomm.compressors.exact import ExactCodec as ExactCodec

@@ -162,11 +162,13 @@ class Compressor(abc.ABC):
         *,
         axis_name,
         axis_size,
-    ) -> tuple[list[jax.Array], Any, jax.Array]:
+    ) -> tuple[list[jax.Array], Any, jax.Array, list[jax.Array]]:
         """The bucket's *mean* as its leaves, or ``fallback`` (the leaves' shapes, in the
         compute dtype) when the mean is not finite; the state as
-        :meth:`guarded_all_reduce_bucket` keeps it, and whether the mean is finite (a bool
-        scalar, replicated as the mean is).
+        :meth:`guarded_all_reduce_bucket` keeps it; whether the mean is finite (a bool
+        scalar, replicated as the mean is); and the mean's leaves as computed, before the
+        fallback (not finite where the mean is not), for consumers that read them only where
+        the mean is finite.
 
         The default selects leaf by leaf after :meth:`guarded_all_reduce_bucket` (a pass over
         the mean); a compressor that decodes its output may write it into the leaves directly
@@ -175,10 +177,9 @@ class Compressor(abc.ABC):
         out, new, _ = self.guarded_all_reduce_bucket(
             flat, state, bucket, axis_name=axis_name, axis_size=axis_size
         )
-        leaves, finite = mean_or_fallback(
-            out if self.returns_mean else out / axis_size, bucket, fallback
-        )
-        return leaves, new, finite
+        mean = out if self.returns_mean else out / axis_size
+        leaves, finite = mean_or_fallback(mean, bucket, fallback)
+        return leaves, new, finite, mean_leaves(mean, bucket)
 
     def guarded_reduce_scatter_bucket(
         self, rows: jax.Array, state: Any, bucket: Bucket, *, axis_name, axis_size
@@ -238,9 +239,14 @@ def mean_or_fallback(
     sum would pass the fp32 range keep the mean.
     """
     finite = probes_finite([mean])
-    pieces = split_concatenated(mean, bucket)
-    leaves = [p.reshape(shape) for p, shape in zip(pieces, bucket.shapes, strict=True)]
+    leaves = mean_leaves(mean, bucket)
     return [jnp.where(finite, x, f) for x, f in zip(leaves, fallback, strict=True)], finite
+
+
+def mean_leaves(mean: jax.Array, bucket: Bucket) -> list[jax.Array]:
+    """A bucket's flat ``mean`` cut into its leaves' shapes."""
+    pieces = split_concatenated(mean, bucket)
+    return [p.reshape(shape) for p, shape in zip(pieces, bucket.shapes, strict=True)]
 
 
 def rank_major_pending(errors: Sequence[np.ndarray], bucket: Bucket) -> np.ndarray:

@@ -330,7 +330,11 @@ class OneBit(StagedCodec):
         def keep(signs, scales, fallback):
             return list(fallback)
 
-        return write_or_keep(finite, decode, keep, signs, scales, list(fallback)), state, finite
+        # Also the mean decoded anew for each consumer that reads it only where it is finite:
+        # its decode fuses into the consumer, which then reads the packed signs, not the leaves.
+        fresh = decode_leaves(signs, scales, bucket.shapes)
+        written = write_or_keep(finite, decode, keep, signs, scales, list(fallback))
+        return written, state, finite, fresh
 
     def _reduce_scatter(self, rows, state: OneBitScatterState, axis_name, axis_size, guard):
         row_numel = rows.shape[1]

@@ -153,10 +153,17 @@ def compressed_mean_call(tree, comm, axis_name, compressor, bucket_bytes):
     return _keeping_leafless_state(compressed_pmean, tree, comm, **kw)
 
 
-def compressed_mean_or_fallback_call(tree, comm, fallback, axis_name, compressor, bucket_bytes):
+def compressed_mean_or_fallback_call(
+    tree, comm, fallback, axis_name, compressor, bucket_bytes, return_fresh=False
+):
     """``compressed_pmean_or_fallback`` that keeps a leafless state (exact compressors) as it
-    was: ``(mean or fallback, state, finite)``."""
-    kw = dict(axis_name=axis_name, compressor=compressor, bucket_bytes=bucket_bytes)
+    was: ``(mean or fallback, state, finite)``, and the fresh mean with ``return_fresh``."""
+    kw = dict(
+        axis_name=axis_name,
+        compressor=compressor,
+        bucket_bytes=bucket_bytes,
+        return_fresh=return_fresh,
+    )
     return _keeping_leafless_state(compressed_pmean_or_fallback, tree, comm, fallback, **kw)
 
 

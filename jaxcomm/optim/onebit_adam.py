@@ -30,7 +30,6 @@ import optax
 from jaxcomm.comm.axes import AxisName
 from jaxcomm.comm.state import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit
-from jaxcomm.fusion import written_once
 from jaxcomm.guard import SkipCounters, keep_if
 from jaxcomm.optim._common import (
     PyTree,
@@ -230,11 +229,16 @@ def scale_by_onebit_adam(
             else:
                 local = ema(mu, g, b1_)  # in the branch, so that it fuses into the 1-bit pass
             if mean_is_momentum:
-                return compressed_mean_or_fallback_call(
-                    local, comm, mu, axis_name, compressor, bucket_bytes
+                mean, new, finite, fresh["mean"] = compressed_mean_or_fallback_call(
+                    local, comm, mu, axis_name, compressor, bucket_bytes, return_fresh=True
                 )
+                return mean, new, finite
             mean, new = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
             return mean, new, mean_finite(mean, comm, new, axis_name, compressor=compressor)
+
+        # The 1-bit mean as decoded, before the fallback (mean_is_momentum: compress runs
+        # directly, not in a conditional): the step reads it only where it is finite.
+        fresh: dict = {}
 
         # One compressed branch, for both spaces (one collective chain in the program).
         compress_here = partial(compress, in_step_space=in_step_space)
@@ -258,14 +262,15 @@ def scale_by_onebit_adam(
         # A non-finite mean (NaN/Inf on any device) skips the step: moments and error feedback
         # stay, nothing moves. The step is taken of the kept moments (else XLA copies mu, nu).
         mu = mu if fallback_is_skip else keep_if(ok, mu, state.mu)
-        if frozen is True:  # decoded once: the step's RMS and the update read it (GPU)
-            (mu,) = written_once(mu)
         nu = keep_if(ok, nu, state.nu)
         comm = keep_error_feedback(ok, comm, state.comm, state.mu, compressor, bucket_bytes)
         if not precondition:
             step = jax.tree.map(lambda m, den: (m / c1) / den, mu, denominator(nu, frozen))
         elif frozen is True:
-            step = jax.tree.map(lambda m: m / c1, mu)
+            # The step's RMS and the update read the mean again from the 1-bit message (its
+            # decode fuses into them), not the momentum just written; where the mean is not
+            # finite the step is zero (ok is false), so the fallback never reaches it.
+            step = jax.tree.map(lambda m: m / c1, fresh.get("mean", mu))
         else:
             step = jax.tree.map(  # after the freeze: divided by 1
                 lambda m, den: (m / c1) / jnp.where(frozen, one, den), mu, denominator(nu, frozen)

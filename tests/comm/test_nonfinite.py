@@ -265,6 +265,43 @@ def test_pmean_or_fallback_decides_each_bucket_alone(mesh):
     np.testing.assert_array_equal(np.asarray(got["v"]), keep["v"])
 
 
+@pytest.mark.parametrize("bucket_bytes", [None, 1], ids=["one-bucket", "bucket-per-leaf"])
+@pytest.mark.parametrize("comp", [jc.OneBit(), jc.Quantize(bits=8, error_feedback=True),
+                                  jc.NoCompression()], ids=["onebit", "int8-ef", "exact"])
+def test_pmean_or_fallback_returns_the_fresh_mean_before_its_fallback(mesh, comp, bucket_bytes):
+    """``return_fresh``: the mean as computed, bit for bit ``compressed_pmean``'s where it is
+    finite, and not the fallback where it is not (the caller reads it only where finite)."""
+    shapes = FALLBACK_SHAPES["unaligned"]
+    plain, _, s0 = make_fallback_steps(mesh, comp, shapes, bucket_bytes)
+    kw = dict(axis_name="dp", compressor=comp, bucket_bytes=bucket_bytes, return_fresh=True)
+
+    def fresh_call(t, s, keep):
+        local = jax.tree.map(lambda x: x[0], t)
+        return jc.compressed_pmean_or_fallback(local, s, keep, **kw)
+
+    fresh_call = jax.jit(
+        jax.shard_map(
+            fresh_call, mesh=mesh, in_specs=(P("dp"), P("dp"), P()),
+            out_specs=(P(), P("dp"), P(), P()),
+        )
+    )  # fmt: skip
+    keep = {k: np.full(s, 7.0, np.float32) for k, s in shapes.items()}
+    for data, finite_expected in ((tree_data(shapes, 4), True),
+                                  (tree_data(shapes, 4, bad=("w", 2, np.nan)), False)):  # fmt: skip
+        want, _ = plain(data, s0)
+        got, _, finite_, fresh = fresh_call(data, s0, keep)
+        assert bool(finite_) is finite_expected
+        if finite_expected:
+            for k in shapes:
+                np.testing.assert_array_equal(np.asarray(fresh[k]), np.asarray(want[k]))
+                np.testing.assert_array_equal(np.asarray(fresh[k]), np.asarray(got[k]))
+            continue
+        bad_bucket = ["w"] if bucket_bytes else list(shapes)  # the leaves that fell back
+        for k in bad_bucket:
+            np.testing.assert_array_equal(np.asarray(got[k]), keep[k])
+        assert not all(np.isfinite(np.asarray(fresh[k])).all() for k in bad_bucket)
+
+
 def test_pmean_or_fallback_refuses_a_fallback_unlike_the_tree():
     tree = {"w": jnp.ones((4, 3))}
     call = lambda keep: jax.vmap(  # noqa: E731

@@ -33,7 +33,10 @@ with ``B`` the bucket size, set before JAX starts):
    ``--budget-s`` (default 360) bounds the whole run's wall time: a row whose expected time
    (a multiple of the local row's on the same model, the larger of a prior and the multiple
    seen on the previous model) would end past it is skipped and
-   recorded as skipped; the rows run most important first, the LM's before the MLP's.
+   recorded as skipped; the rows run most important first, the LM's before the MLP's. The
+   last row, ``onebit_adam_cap_in_program``, is 1-bit Adam again with its skip cap checked in
+   the program (``check_skips_on_host=False``: a conditional host callback, which copies its
+   predicate to the host and blocks it every step) instead of on the host: what that costs.
 
 ``--json OUT`` is rewritten after every section and row, so an interrupted run keeps what it
 measured. ``--cpu`` runs the same code on 8 simulated CPU devices at small sizes (what the
@@ -273,12 +276,18 @@ def run_steps(layers: int, width: int, batch: int, bucket: int, steps: int) -> d
 
 #: Section 4's rows, most important first (a run out of budget skips the last ones).
 TRAIN_ORDER = ("local", "exact", "onebit_adam", "int8_ef", "zero_one_adam", "diloco", "demo",
-               "onebit_lamb")  # fmt: skip
+               "onebit_lamb", "onebit_adam_cap_in_program")  # fmt: skip
+#: Rows that are another row's optimizer with other ``make_train_step`` options: 1-bit Adam
+#: with its skip cap checked in the program (a conditional host callback every step, which on
+#: a GPU copies its predicate to the host and blocks it) instead of on the host (the default
+#: on GPU): what that check costs a step.
+ROW_VARIANTS = {"onebit_adam_cap_in_program": ("onebit_adam", {"check_skips_on_host": False})}
 #: A row's build, compile and warm-up seconds as a multiple of the local row's on the same model
 #: (its programs to compile: 1-bit Adam three, 0/1 Adam up to four; from the first H200 run),
 #: to skip a row that would end past the budget before starting it.
 ROW_COST = {"local": 1.0, "exact": 1.0, "int8_ef": 1.0, "int4_ef": 1.0, "onebit_adam": 2.8,
-            "zero_one_adam": 3.8, "diloco": 1.9, "demo": 1.9, "onebit_lamb": 2.8}  # fmt: skip
+            "zero_one_adam": 3.8, "diloco": 1.9, "demo": 1.9, "onebit_lamb": 2.8,
+            "onebit_adam_cap_in_program": 2.8}  # fmt: skip
 #: Learning rates: the LM's usual 3e-4; the MLP's 1e-3.
 TRAIN_LR = {"gpt": 3e-4, "mlp": 1e-3}
 
@@ -341,8 +350,11 @@ def _stack_rows(batch, n: int):
     return jax.tree.map(lambda x: np.concatenate([x] * n), batch)
 
 
-def train_row(method, mesh, params, loss_fn, batches, lr: float, steps: int) -> dict:
-    """Build, warm up and time one optimizer's step (see section 4 of the module docstring)."""
+def train_row(
+    method, mesh, params, loss_fn, batches, lr: float, steps: int, options: dict | None = None
+) -> dict:
+    """Build, warm up and time one optimizer's step (see section 4 of the module docstring);
+    ``options``: extra ``jc.make_train_step`` arguments."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -374,7 +386,9 @@ def train_row(method, mesh, params, loss_fn, batches, lr: float, steps: int) -> 
         def lower():
             return fn.lower(carry[0], carry[1], placed[0])
     else:
-        step_obj, state = jc.make_train_step(mesh, "dp", loss_fn, method.make(), params)
+        step_obj, state = jc.make_train_step(
+            mesh, "dp", loss_fn, method.make(), params, **(options or {})
+        )
         split = NamedSharding(mesh, P("dp"))
         placed = [jax.device_put(_stack_rows(b, n), split) for b in batches]  # placed once
         carry = [state]
@@ -461,11 +475,13 @@ def run_train_rows(args, small: bool, t_start: float, record) -> dict:
         table = methods(TRAIN_LR[model_name])
         base: dict | None = None
         for name in order:
-            method = table[name]
+            base_name, options = ROW_VARIANTS.get(name, (name, {}))
+            method = table[base_name]
             elapsed = time.perf_counter() - t_start
             factor = max(ROW_COST.get(name, 3.0), seen.get(name, 0.0))
             guess = None if base is None else factor * base["row_s"]
-            row: dict = dict(model=model_name, method=name, call=method.call)
+            call = method.call + "".join(f", {k}={v!r}" for k, v in options.items())
+            row: dict = dict(model=model_name, method=name, call=call)
             if elapsed > args.budget_s or (guess is not None and elapsed + guess > args.budget_s):
                 row.update(skipped=f"budget: {elapsed:.0f} s of {args.budget_s:.0f} s used"
                            + ("" if guess is None else f", this row needs ~{guess:.0f} s"))
@@ -476,7 +492,8 @@ def run_train_rows(args, small: bool, t_start: float, record) -> dict:
             t_row = time.perf_counter()
             try:
                 row.update(train_row(method, mesh, params, loss_fn, batches,
-                                     TRAIN_LR[model_name], args.train_steps))  # fmt: skip
+                                     TRAIN_LR[model_name], args.train_steps, options))  # fmt: skip
+                row.update(method=name, call=call)  # a variant's own name and call
             except Exception as e:  # noqa: BLE001 - the report records any failure
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
             gc.collect()  # the row's state and programs, before the next row allocates

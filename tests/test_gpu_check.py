@@ -76,7 +76,7 @@ def test_stage_byte_counts_are_what_the_arrays_hold(stages, x):
 
 
 #: Section 4's rows in the smoke run: the baseline, an unphased, a phased and a cyclic optimizer.
-TRAIN_METHODS = ["local", "exact", "onebit_adam", "diloco"]
+TRAIN_METHODS = ["local", "exact", "onebit_adam", "diloco", "onebit_adam_cap_in_program"]
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +131,10 @@ def test_train_rows(report):
         (15 * by_phase["inner"] + by_phase["sync"]) / 16
     )
     assert "1-bit" in rows["onebit_adam"]["phase_labels"]
+    # The same optimizer with its skip cap checked in the program: the same phases.
+    variant = rows["onebit_adam_cap_in_program"]
+    assert variant["call"].endswith("check_skips_on_host=False")
+    assert variant["phase_labels"] == rows["onebit_adam"]["phase_labels"]
     assert rows["exact"]["timed_steps"] == 10 and rows["exact"]["step_is"] == "median"
 
 

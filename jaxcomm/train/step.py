@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,6 +112,14 @@ class TrainStep:
         return self._program if isinstance(self._program, PhasedStep) else None
 
     def __call__(self, state: PyTree, batch: PyTree):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, batch))):
+            # Traced inside the caller's own jit: no step of it is done before the caller's
+            # program ends, so its skip caps stay in that program.
+            with _caps_in_program():
+                return self._call(state, batch)
+        return self._call(state, batch)
+
+    def _call(self, state: PyTree, batch: PyTree):
         if self.background is None:
             new_state, metrics, *report = self._program(state, self._place(batch))
         else:
@@ -120,7 +129,7 @@ class TrainStep:
             state = self.background.before(state)
             new_state, metrics, *report = self._program(state, self._place(batch))
             self.background.after(new_state)
-        # (a step traced inside the caller's own jit returns a tracer: nothing to check here)
+        # (pmap's step traced by its caller still returns its report: a tracer, not checkable)
         self._reports.extend(r for r in report if not isinstance(r, jax.core.Tracer))
         if self.max_in_flight is not None:
             self._queued.append(jax.tree.leaves(metrics)[0])
@@ -311,6 +320,7 @@ def make_train_step(
 
     def global_step(state: TrainState, batch, probe: bool = False):
         specs = train_state_specs(state, axis_name)
+        host = _caps_on_host(on_host)
 
         def body(state, batch):
             blocks = state.params if params_are_per_device(state.opt_state) else None
@@ -321,7 +331,7 @@ def make_train_step(
                     )
                 return ensure_varying(recorded.as_array(), axis_name)[None]
             args = (loss_fn, tx, axis_name, has_aux, local_view(state), batch, True, blocks)
-            with _skip_caps(on_host, state) as caps:
+            with _skip_caps(host, state) as caps:
                 new, metrics = local_train_step(*args, mean_metrics)
             if blocks is not None:
                 new = TrainState(new.params, global_view(new.opt_state))
@@ -332,7 +342,7 @@ def make_train_step(
             return *out, caps.report(axis_name)
 
         metrics_spec = P() if mean_metrics else P(axis_name)
-        step_specs = (specs, metrics_spec) + ((P(axis_name),) if on_host else ())
+        step_specs = (specs, metrics_spec) + ((P(axis_name),) if host else ())
         mapped = jax.shard_map(
             body,
             mesh=mesh,
@@ -384,6 +394,25 @@ def _on_gpu(devices) -> bool:
     """Whether the step runs on NVIDIA or AMD GPUs (attached or described, for an
     ahead-of-time compile)."""
     return any(getattr(d, "platform", "") in ("gpu", "cuda", "rocm") for d in devices)
+
+
+_caller = threading.local()
+
+
+@contextlib.contextmanager
+def _caps_in_program():
+    """Within: a step traced by its caller keeps its skip caps in the program."""
+    previous = getattr(_caller, "tracing", False)
+    _caller.tracing = True
+    try:
+        yield
+    finally:
+        _caller.tracing = previous
+
+
+def _caps_on_host(on_host: bool) -> bool:
+    """Whether the step being traced checks its skip caps on the host."""
+    return on_host and not getattr(_caller, "tracing", False)
 
 
 def _skip_caps(on_host: bool, like: PyTree):

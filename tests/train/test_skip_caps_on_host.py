@@ -145,12 +145,17 @@ def test_raise_past_caps_reads_every_device_row():
     assert HostSkipCaps(None).report(None).shape == (1, 0, 2)
 
 
-def test_a_step_traced_by_the_caller_still_inspects(mesh):
-    # jc.comms_report traces the step inside its own jit: the skip report is a tracer there,
-    # and nothing is queued for the host to check.
+def test_a_step_traced_by_the_caller_keeps_its_cap_in_the_program(mesh):
+    # Inside the caller's own jit no step is done before the caller's program ends: the cap
+    # stays in that program; jc.comms_report still inspects the step.
     step, state = jc.make_train_step(
         mesh, "dp", loss_fn, OPTIMIZERS["onebit_adam"](2), params(), check_skips_on_host=True
     )
-    report = jc.comms_report(step, state, GOOD)
-    assert report.ok
-    step.check_skips()
+    assert jc.comms_report(step, state, GOOD).ok
+    traced = jax.jit(step)
+    hlo = traced.lower(state, GOOD).compile().as_text()
+    assert "conditional(" in hlo and re.search(r"custom_call_target=\"\w*python\w*callback", hlo)
+    for batch in [GOOD] * 3:  # (the in-program check's raising: tests/optim)
+        state, loss = traced(state, batch)
+    assert np.isfinite(float(loss))
+    step.check_skips()  # nothing was queued for the host

@@ -63,6 +63,10 @@ def ensure_varying(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
         return x
 
 
+#: JAX's platform names for NVIDIA and AMD GPUs (devices' ``platform``, ``jax_platforms``).
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
 def same_trace(x: object, like: object) -> bool:
     """Whether ``x`` and ``like`` are tracers of one trace (a value computed in a nested
     ``lax.cond`` branch, ``vmap`` or ``scan`` is not; ``False`` for concrete values, or where

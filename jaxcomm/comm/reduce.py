@@ -127,6 +127,10 @@ def reduce_tree(
     finites, mean_finites = [], []
     fresh_leaves: dict[int, jax.Array] = {}  # the means before the fallback, by leaf
 
+    def keep_fresh(bucket, means):
+        for i, x, d in zip(bucket.leaf_ids, means, bucket.dtypes, strict=True):
+            fresh_leaves[i] = x.astype(d)
+
     def one_bucket(bucket, bucket_state):
         if len(names) > 1 and not bucket.exact and bucket.numel:
             return two_level_bucket(bucket, bucket_state)
@@ -158,8 +162,7 @@ def reduce_tree(
                 parts, finite = mean_or_fallback(out, bucket, kept)
                 fresh = mean_leaves(out, bucket)
             mean_finites.append(finite)
-            for i, x, d in zip(bucket.leaf_ids, fresh, bucket.dtypes, strict=True):
-                fresh_leaves[i] = x.astype(d)
+            keep_fresh(bucket, fresh)
             return [p.astype(d) for p, d in zip(parts, bucket.dtypes, strict=True)], bucket_state
         else:
             if not guarded:
@@ -217,8 +220,7 @@ def reduce_tree(
         kept = [fallback_leaves[i].astype(full.dtype) for i in bucket.leaf_ids]
         parts, finite_mean = mean_or_fallback(full, bucket, kept)
         mean_finites.append(finite_mean)
-        for i, x, d in zip(bucket.leaf_ids, mean_leaves(full, bucket), bucket.dtypes, strict=True):
-            fresh_leaves[i] = x.astype(d)
+        keep_fresh(bucket, mean_leaves(full, bucket))
         return [p.astype(d) for p, d in zip(parts, bucket.dtypes, strict=True)], bucket_state
 
     out, new_states = map_buckets(one_bucket, buckets, len(leaves), bucket_states)

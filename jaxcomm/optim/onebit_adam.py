@@ -228,21 +228,20 @@ def scale_by_onebit_adam(
                 local = jax.tree.map(local_step, mu, g, frozen_denominator(in_step_space))
             else:
                 local = ema(mu, g, b1_)  # in the branch, so that it fuses into the 1-bit pass
-            if mean_is_momentum:
-                mean, new, finite, fresh["mean"] = compressed_mean_or_fallback_call(
+            if mean_is_momentum:  # and the mean before the fallback, last
+                return compressed_mean_or_fallback_call(
                     local, comm, mu, axis_name, compressor, bucket_bytes, return_fresh=True
                 )
-                return mean, new, finite
             mean, new = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
             return mean, new, mean_finite(mean, comm, new, axis_name, compressor=compressor)
 
-        # The 1-bit mean as decoded, before the fallback (mean_is_momentum: compress runs
-        # directly, not in a conditional): the step reads it only where it is finite.
-        fresh: dict = {}
-
         # One compressed branch, for both spaces (one collective chain in the program).
         compress_here = partial(compress, in_step_space=in_step_space)
-        mean, comm, ok = phase_cond(frozen, compress_here, warm, grads, state.mu, state.comm)
+        fresh = None  # the 1-bit mean as decoded, before the fallback
+        if mean_is_momentum:  # known compressed: no conditional, the branch itself
+            mean, comm, ok, fresh = compress_here(grads, state.mu, state.comm)
+        else:
+            mean, comm, ok = phase_cond(frozen, compress_here, warm, grads, state.mu, state.comm)
         # warm-up: mean = the exact mean gradient g, m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2;
         # after: mean = the 1-bit mean of the (preconditioned) momentum, m = mask(mean), v
         # frozen (d in the step's space).
@@ -270,7 +269,7 @@ def scale_by_onebit_adam(
             # The step's RMS and the update read the mean again from the 1-bit message (its
             # decode fuses into them), not the momentum just written; where the mean is not
             # finite the step is zero (ok is false), so the fallback never reaches it.
-            step = jax.tree.map(lambda m: m / c1, fresh.get("mean", mu))
+            step = jax.tree.map(lambda m: m / c1, mu if fresh is None else fresh)
         else:
             step = jax.tree.map(  # after the freeze: divided by 1
                 lambda m, den: (m / c1) / jnp.where(frozen, one, den), mu, denominator(nu, frozen)

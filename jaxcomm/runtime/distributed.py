@@ -53,7 +53,7 @@ from typing import NamedTuple
 
 import jax
 
-from jaxcomm._compat import backends_initialized, distributed_global_state
+from jaxcomm._compat import GPU_PLATFORMS, backends_initialized, distributed_global_state
 from jaxcomm.runtime.environment import (
     COORDINATOR_ENV,
     DistributedEnv,
@@ -119,7 +119,7 @@ def _gpu_expected() -> bool:
     """Whether JAX will run on GPU, decided without initializing any backend."""
     platforms = _configured_platforms()
     if platforms is not None:
-        return platforms[0] in ("gpu", "cuda", "rocm")
+        return platforms[0] in GPU_PLATFORMS
     return _gpu_plugin_installed()
 
 
@@ -141,7 +141,7 @@ def _select_backend(backend: str) -> str:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}.")
     if backend == "nccl":
         platforms = _configured_platforms()
-        if platforms is not None and not any(p in ("gpu", "cuda", "rocm") for p in platforms):
+        if platforms is not None and not any(p in GPU_PLATFORMS for p in platforms):
             raise ValueError(f"backend='nccl' needs a GPU, but jax_platforms={platforms}.")
         # XLA drives NCCL on GPU; there is no flag to set.
         return "nccl"

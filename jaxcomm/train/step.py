@@ -28,7 +28,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm._compat import ensure_varying
+from jaxcomm._compat import GPU_PLATFORMS, ensure_varying
 from jaxcomm.comm.axes import canonical_axis, mesh_axis_sizes
 from jaxcomm.guard import raise_past_caps, skip_caps_on_host
 from jaxcomm.optim.diloco.background import BackgroundSync, background_update
@@ -112,7 +112,10 @@ class TrainStep:
         return self._program if isinstance(self._program, PhasedStep) else None
 
     def __call__(self, state: PyTree, batch: PyTree):
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, batch))):
+        # (only where the caps leave the program: the walk over the state costs every call)
+        if self._skip_names is not None and any(
+            isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, batch))
+        ):
             # Traced inside the caller's own jit: no step of it is done before the caller's
             # program ends, so its skip caps stay in that program.
             with _caps_in_program():
@@ -393,7 +396,7 @@ def make_train_step(
 def _on_gpu(devices) -> bool:
     """Whether the step runs on NVIDIA or AMD GPUs (attached or described, for an
     ahead-of-time compile)."""
-    return any(getattr(d, "platform", "") in ("gpu", "cuda", "rocm") for d in devices)
+    return any(getattr(d, "platform", "") in GPU_PLATFORMS for d in devices)
 
 
 _caller = threading.local()

@@ -7,6 +7,7 @@ from jaxcomm.comm.hierarchical import (
     hierarchical_psum,
     init_hierarchical_state,
 )
+from jaxcomm.comm.packed import PackedMean
 from jaxcomm.comm.scatter_gather import (
     compressed_all_gather,
     compressed_pmean_scatter,
@@ -103,6 +104,7 @@ __all__ = [
     "init_hierarchical_state",
     "wire_bytes_by_axes",
     "DistributedInfo",
+    "PackedMean",
     "ReduceState",
     "ScatterState",
     "compressed_all_gather",

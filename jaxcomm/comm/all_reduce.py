@@ -60,7 +60,7 @@ def compressed_psum(
       >>> total["w"][0].tolist(), int(total["count"][0])
       ([12.0, 16.0], 4)
     """
-    out, new, _, _ = reduce_tree(
+    out, new, *_ = reduce_tree(
         tree, state, axis_name, compressor, bucket_bytes, mean=False, op="all_reduce"
     )
     return out, new
@@ -101,7 +101,7 @@ def compressed_pmean(
       >>> states.buckets[0].worker_error.shape  # (devices, padded bucket)
       (4, 32)
     """
-    out, new, _, _ = reduce_tree(
+    out, new, *_ = reduce_tree(
         tree, state, axis_name, compressor, bucket_bytes, mean=True, op="all_reduce"
     )
     return out, new
@@ -116,9 +116,10 @@ def compressed_pmean_or_fallback(
     compressor: Compressor,
     bucket_bytes: int | None = None,
     return_fresh: bool = False,
-) -> tuple[PyTree, ReduceState | None, jax.Array] | tuple[
-    PyTree, ReduceState | None, jax.Array, PyTree
-]:
+) -> (
+    tuple[PyTree, ReduceState | None, jax.Array]
+    | tuple[PyTree, ReduceState | None, jax.Array, PyTree]
+):
     """:func:`compressed_pmean`, with ``fallback``'s leaves for a bucket whose mean is not finite.
 
     For a caller that keeps a value on a non-finite step and whose mean *is* the new value (1-bit
@@ -160,7 +161,7 @@ def compressed_pmean_or_fallback(
       >>> mean["m"][0].tolist(), bool(finite[0])
       ([7.0, 7.0], False)
     """
-    out, new, flags, fresh = reduce_tree(
+    out, new, flags, fresh, _ = reduce_tree(
         tree,
         state,
         axis_name,

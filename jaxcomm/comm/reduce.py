@@ -14,7 +14,7 @@ thin calls of it.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,16 +94,36 @@ def _check_two_level(compressor: Compressor, scatter: bool) -> None:
         )
 
 
+class Reduced(NamedTuple):
+    """What :func:`reduce_tree` returns.
+
+    Attributes:
+      tree: the reduced tree.
+      state: the new state.
+      flags: the floating buckets' finite flags (see :func:`reduce_tree`).
+      fresh: with a fallback, the mean as computed, before the fallback; else ``None``.
+      packed: with a fallback, each bucket's mean as sent
+        (:meth:`~jaxcomm.compressors.Compressor.init_packed_mean`'s form) where every bucket
+        has one, else ``None``.
+    """
+
+    tree: PyTree
+    state: Any
+    flags: list
+    fresh: PyTree | None
+    packed: tuple | None
+
+
 def reduce_tree(
     tree, state, axis_name, compressor, bucket_bytes, *, mean: bool, op: StateOp, fallback=None
-):
+) -> Reduced:
     """All-reduce (concatenated layout) or reduce-scatter (rank-major rows) of every bucket.
 
-    Returns the reduced tree, the new state, the floating buckets' flags and the mean as
-    computed. With a ``fallback`` tree (all-reduce means only): the flags say whether each
-    bucket's mean was finite, else the reduced tree holds fallback's leaves, and the mean as
-    computed is the tree before that fallback (not finite where a mean is not); without one,
-    no flags and ``None``.
+    Returns the reduced tree, the new state, the floating buckets' flags, the mean as computed
+    and the packed means (:class:`Reduced`). With a ``fallback`` tree (all-reduce means only):
+    the flags say whether each bucket's mean was finite, else the reduced tree holds
+    fallback's leaves, and the mean as computed is the tree before that fallback (not finite
+    where a mean is not); without one, no flags and ``None``.
     """
     names = axis_names(axis_name)
     axis_name = names[0] if len(names) == 1 else names
@@ -126,6 +146,7 @@ def reduce_tree(
     bucket_states = state.buckets if blocks else checked.buckets
     finites, mean_finites = [], []
     fresh_leaves: dict[int, jax.Array] = {}  # the means before the fallback, by leaf
+    packed: list = []  # each bucket's mean as sent, with a fallback
 
     def keep_fresh(bucket, means):
         for i, x, d in zip(bucket.leaf_ids, means, bucket.dtypes, strict=True):
@@ -150,10 +171,11 @@ def reduce_tree(
         elif fallback_leaves is not None and not bucket.exact:
             kept = [fallback_leaves[i].astype(buf.dtype) for i in bucket.leaf_ids]
             if guarded:
-                parts, bucket_state, finite, fresh = comp.guarded_all_reduce_leaves(
+                parts, bucket_state, finite, fresh, sent = comp.guarded_all_reduce_leaves(
                     buf, bucket_state, bucket, kept, axis_name=axis_name, axis_size=axis_size
                 )
                 finites.append(finite)
+                packed.append(sent)
             else:
                 out, bucket_state = comp.all_reduce_bucket(
                     buf, bucket_state, bucket, axis_name=axis_name, axis_size=axis_size
@@ -161,6 +183,7 @@ def reduce_tree(
                 out = _as_requested(out, comp, True, axis_size)
                 parts, finite = mean_or_fallback(out, bucket, kept)
                 fresh = mean_leaves(out, bucket)
+                packed.append(None)
             mean_finites.append(finite)
             keep_fresh(bucket, fresh)
             return [p.astype(d) for p, d in zip(parts, bucket.dtypes, strict=True)], bucket_state
@@ -220,6 +243,7 @@ def reduce_tree(
         kept = [fallback_leaves[i].astype(full.dtype) for i in bucket.leaf_ids]
         parts, finite_mean = mean_or_fallback(full, bucket, kept)
         mean_finites.append(finite_mean)
+        packed.append(None)
         keep_fresh(bucket, mean_leaves(full, bucket))
         return [p.astype(d) for p, d in zip(parts, bucket.dtypes, strict=True)], bucket_state
 
@@ -233,4 +257,6 @@ def reduce_tree(
     if fallback_leaves is not None:  # exact and empty buckets: their result, never replaced
         fresh_out = [fresh_leaves.get(i, x) for i, x in enumerate(out)]
         fresh = jax.tree_util.tree_unflatten(treedef, fresh_out)
-    return jax.tree_util.tree_unflatten(treedef, out), kept, mean_finites, fresh
+    whole = len(packed) == len(buckets) and all(p is not None for p in packed)
+    out_tree = jax.tree_util.tree_unflatten(treedef, out)
+    return Reduced(out_tree, kept, mean_finites, fresh, tuple(packed) if whole else None)

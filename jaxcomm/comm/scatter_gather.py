@@ -54,9 +54,7 @@ def compressed_psum_scatter(
       [[4.0, 4.0], [4.0, 4.0], [4.0, 4.0], [0.0, 0.0]]
     """
     op = "reduce_scatter"
-    out, new, _, _ = reduce_tree(
-        tree, state, axis_name, compressor, bucket_bytes, mean=False, op=op
-    )
+    out, new, *_ = reduce_tree(tree, state, axis_name, compressor, bucket_bytes, mean=False, op=op)
     return out, new
 
 
@@ -82,7 +80,7 @@ def compressed_pmean_scatter(
       ((4, 2), True)
     """
     op = "reduce_scatter"
-    out, new, _, _ = reduce_tree(tree, state, axis_name, compressor, bucket_bytes, mean=True, op=op)
+    out, new, *_ = reduce_tree(tree, state, axis_name, compressor, bucket_bytes, mean=True, op=op)
     return out, new
 
 

@@ -162,13 +162,14 @@ class Compressor(abc.ABC):
         *,
         axis_name,
         axis_size,
-    ) -> tuple[list[jax.Array], Any, jax.Array, list[jax.Array]]:
+    ) -> tuple[list[jax.Array], Any, jax.Array, list[jax.Array], Any]:
         """The bucket's *mean* as its leaves, or ``fallback`` (the leaves' shapes, in the
         compute dtype) when the mean is not finite; the state as
         :meth:`guarded_all_reduce_bucket` keeps it; whether the mean is finite (a bool
-        scalar, replicated as the mean is); and the mean's leaves as computed, before the
+        scalar, replicated as the mean is); the mean's leaves as computed, before the
         fallback (not finite where the mean is not), for consumers that read them only where
-        the mean is finite.
+        the mean is finite; and the mean as sent (:meth:`init_packed_mean`'s form, ``None``
+        for a compressor without one).
 
         The default selects leaf by leaf after :meth:`guarded_all_reduce_bucket` (a pass over
         the mean); a compressor that decodes its output may write it into the leaves directly
@@ -179,7 +180,22 @@ class Compressor(abc.ABC):
         )
         mean = out if self.returns_mean else out / axis_size
         leaves, finite = mean_or_fallback(mean, bucket, fallback)
-        return leaves, new, finite, mean_leaves(mean, bucket)
+        return leaves, new, finite, mean_leaves(mean, bucket), None
+
+    # The packed mean: a bucket's all-reduce output as its last exchange carried it (the same
+    # on every device), far smaller than the mean for a compressor whose output is compressed.
+    # An optimizer whose next step starts from this mean (1-bit Adam's momentum) keeps it and
+    # reads it back instead of the mean's leaves.
+
+    def init_packed_mean(self, bucket: Bucket, axis_size: int) -> Any:
+        """Zeros in the form of one bucket's packed mean on ``axis_size`` devices (a tuple of
+        arrays), or ``None`` when the compressor has none (the default)."""
+        del bucket, axis_size
+        return None
+
+    def unpack_mean(self, packed: Any, bucket: Bucket) -> list[jax.Array]:
+        """The bucket's mean, as its leaves (fp32), from :meth:`init_packed_mean`'s form."""
+        raise NotImplementedError(f"{type(self).__name__} has no packed mean")
 
     def guarded_reduce_scatter_bucket(
         self, rows: jax.Array, state: Any, bucket: Bucket, *, axis_name, axis_size

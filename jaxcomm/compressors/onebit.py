@@ -258,10 +258,11 @@ class OneBit(StagedCodec):
         return weighted_sign_sum(signs, scales / axis_size), new_error, finite
 
     def _all_reduce(self, flat, state: OneBitState, sizes, axis_name, axis_size, guard):
-        """Stages 1-4 up to the gathered server signs: ``(signs, scales, state, finite)``.
+        """Stages 1-4 up to the gathered server payload: ``(gathered, state, finite)``.
 
-        ``signs`` ``(n, M)`` and ``scales`` ``(n,)`` are every device's server chunk (the mean is
-        ``concat_r scales[r] * unpack(signs[r])``, see :func:`decode_mean`). With ``guard``,
+        ``gathered`` ``(n, M + 4)`` is every device's server chunk, packed signs then scale
+        (:func:`signs_and_scales`; the mean is ``concat_r scales[r] * unpack(signs[r])``, see
+        :func:`decode_mean`). With ``guard``,
         ``finite`` says whether all of it is finite, replicated (decided from the gathered
         scales), and the state is the old one where not.
         """
@@ -287,26 +288,27 @@ class OneBit(StagedCodec):
             # scales decide for both stages, replicated (every device gathered the same).
             finite = server_ok
         server_error = server_error.reshape(state.server_error.shape)
-        return signs, scales, OneBitState(worker_error, server_error), finite
+        return gathered, OneBitState(worker_error, server_error), finite
 
     def all_reduce(self, flat, state: OneBitState, *, axis_name, axis_size):
         sizes = (flat.shape[0],)
-        signs, scales, state, _ = self._all_reduce(flat, state, sizes, axis_name, axis_size, False)
-        return decode_mean(signs, scales, flat.shape[0]), state
+        gathered, state, _ = self._all_reduce(flat, state, sizes, axis_name, axis_size, False)
+        return decode_mean(*signs_and_scales(gathered), flat.shape[0]), state
 
     def all_reduce_bucket(self, flat, state, bucket, *, axis_name, axis_size):
         sizes = bucket.sizes
-        signs, scales, state, _ = self._all_reduce(flat, state, sizes, axis_name, axis_size, False)
-        return decode_mean(signs, scales, flat.shape[0]), state
+        gathered, state, _ = self._all_reduce(flat, state, sizes, axis_name, axis_size, False)
+        return decode_mean(*signs_and_scales(gathered), flat.shape[0]), state
 
     # Guarded: the mean is decoded by a conditional into a buffer of its own, so that no
     # consumer in a leaf's shape decodes a packed byte per element, unvectorised. Not finite
     # (the devices agree, from the gathered scales): NaN, as the scales would be, or the fallback.
 
     def guarded_all_reduce_bucket(self, flat, state, bucket, *, axis_name, axis_size):
-        signs, scales, state, finite = self._all_reduce(
+        gathered, state, finite = self._all_reduce(
             flat, state, bucket.sizes, axis_name, axis_size, guard=True
         )
+        signs, scales = signs_and_scales(gathered)
         numel = flat.shape[0]
 
         def nan_mean(signs, scales):
@@ -320,9 +322,10 @@ class OneBit(StagedCodec):
     def guarded_all_reduce_leaves(self, flat, state, bucket, fallback, *, axis_name, axis_size):
         # The conditional writes the leaves themselves (1-bit Adam's new momentum), or passes
         # the fallback through: no select over the mean, no copy (the 1-bit Adam step: -7%).
-        signs, scales, state, finite = self._all_reduce(
+        gathered, state, finite = self._all_reduce(
             flat, state, bucket.sizes, axis_name, axis_size, guard=True
         )
+        signs, scales = signs_and_scales(gathered)
 
         def decode(signs, scales, fallback):
             return decode_leaves(signs, scales, bucket.shapes)
@@ -334,7 +337,17 @@ class OneBit(StagedCodec):
         # its decode fuses into the consumer, which then reads the packed signs, not the leaves.
         fresh = decode_leaves(signs, scales, bucket.shapes)
         written = write_or_keep(finite, decode, keep, signs, scales, list(fallback))
-        return written, state, finite, fresh
+        return written, state, finite, fresh, (gathered,)
+
+    def init_packed_mean(self, bucket, axis_size):
+        """The gathered payload of stage 4: every device's server chunk of the mean, ``(n, M +
+        4)`` bytes (``M`` packed signs, then the chunk's fp32 scale)."""
+        rows, _ = self.chunk_layout(ceil_div(bucket.numel, axis_size))
+        return (jnp.zeros((axis_size, rows + 4), jnp.uint8),)
+
+    def unpack_mean(self, packed, bucket):
+        signs, scales = signs_and_scales(packed[0])
+        return decode_leaves(signs, scales, bucket.shapes)
 
     def _reduce_scatter(self, rows, state: OneBitScatterState, axis_name, axis_size, guard):
         row_numel = rows.shape[1]

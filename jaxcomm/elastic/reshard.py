@@ -28,6 +28,9 @@ Which leaf is which is read from the optimizer state's types, the same registry
   (``T / n``: the decayed, untransmitted part of the mean outer gradient is kept).
 * **DeMo** (``jc.DemoLocal``): each device's momentum is also what it has not yet sent; every new
   device gets their mean, so the pending part of the gathered mean is kept (rule below).
+* **packed means** (``jc.PackedMean``: 1-bit Adam's last mean as it was sent, laid out for
+  ``n`` devices): reset, not valid; the optimizer's next step reads its dense copy of the mean
+  (kept above with the replicated leaves) and sends a packed mean for ``m`` devices.
 * **other per-device leaves** (0/1 Adam's ``LocalState`` momentum and accumulated local
   updates, DiLoCo's local state, your registered types) and **per-device parameters** (0/1
   Adam): **averaged** over the ``n`` devices (in float64; integer and bool leaves take the
@@ -60,6 +63,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import GetAttrKey
 
+from jaxcomm.comm.packed import PackedMean
 from jaxcomm.comm.state import ReduceState, ScatterState, init_state, is_per_device
 from jaxcomm.compressors import Compressor
 from jaxcomm.elastic.diloco import resize_diloco_state
@@ -244,6 +248,7 @@ def _per_device(path, old, new_template, ctx: _Context, *, shards: bool = False)
                 (*path, GetAttrKey("master")), old.master, new_template.master, ctx, shards=True
             ),
         )
+
         # Any other field (e.g. skip counters) is the same on every device (the step is
         # skipped on all of them at once): its largest row, on every new device.
         def largest_row(x):
@@ -351,6 +356,8 @@ def reshard_train_state(
     ctx = _Context(params, n, m, compressor, bucket_bytes)
 
     def visit(path, old, new):
+        if isinstance(old, PackedMean):  # laid out for n devices: the dense copy is read once
+            return jax.tree.map(lambda t: np.zeros(t.shape, t.dtype), new)
         if is_per_device(old):
             return _per_device(path, old, new, ctx)
         if tuple(np.shape(old)) != tuple(new.shape):
@@ -363,12 +370,13 @@ def reshard_train_state(
         return np.asarray(old)
 
     if _contains(state.opt_state, DiLoCoState):
-        out = resize_diloco_state(
-            state, compressor, new_axis_size=m, bucket_bytes=bucket_bytes
-        )
+        out = resize_diloco_state(state, compressor, new_axis_size=m, bucket_bytes=bucket_bytes)
     else:
         opt_state = jax.tree_util.tree_map_with_path(
-            visit, state.opt_state, new_t.opt_state, is_leaf=is_per_device
+            visit,
+            state.opt_state,
+            new_t.opt_state,
+            is_leaf=lambda x: is_per_device(x) or isinstance(x, PackedMean),
         )
         if params_are_per_device(state.opt_state):
             new_params = jax.tree.map(

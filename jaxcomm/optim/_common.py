@@ -16,6 +16,7 @@ from jax import lax
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.all_reduce import compressed_pmean, compressed_pmean_or_fallback
 from jaxcomm.comm.axes import AxisName, axis_names
+from jaxcomm.comm.reduce import reduce_tree
 from jaxcomm.comm.state import check_axis_size
 from jaxcomm.comm.state import check_compressor as check_compressor
 from jaxcomm.compressors import NoCompression
@@ -167,6 +168,21 @@ def compressed_mean_or_fallback_call(
     return _keeping_leafless_state(compressed_pmean_or_fallback, tree, comm, fallback, **kw)
 
 
+def compressed_mean_packed_call(tree, comm, fallback, axis_name, compressor, bucket_bytes):
+    """:func:`compressed_mean_or_fallback_call` with ``return_fresh``, and each bucket's mean
+    as sent (``None`` where a bucket has no packed form): ``(mean or fallback, state, finite,
+    fresh, packed)``. ``comm`` holds error feedback (a compressor with a packed mean has
+    some)."""
+    out, new, flags, fresh, packed = reduce_tree(
+        tree, comm, axis_name, compressor, bucket_bytes, mean=True, op="all_reduce",
+        fallback=fallback,
+    )  # fmt: skip
+    finite = jnp.bool_(True)
+    for flag in flags:
+        finite = finite & flag
+    return out, new, finite, fresh, packed
+
+
 def varying(tree: PyTree, axis_name: str) -> PyTree:
     return jax.tree.map(lambda x: ensure_varying(x, axis_name), tree)
 
@@ -180,5 +196,3 @@ def unzip(out: PyTree, like: PyTree, k: int = 2) -> tuple:
     treedef = jax.tree.structure(like)
     rows = treedef.flatten_up_to(out)
     return tuple(treedef.unflatten([row[i] for row in rows]) for i in range(k))
-
-

@@ -28,8 +28,10 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.comm.axes import AxisName
+from jaxcomm.comm.packed import PackedMean, init_packed_mean, unpack_mean
 from jaxcomm.comm.state import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit
+from jaxcomm.fusion import kept_form
 from jaxcomm.guard import SkipCounters, keep_if
 from jaxcomm.optim._common import (
     PyTree,
@@ -37,6 +39,7 @@ from jaxcomm.optim._common import (
     check_compressor,
     compressed_mean_call,
     compressed_mean_or_fallback_call,
+    compressed_mean_packed_call,
     exact_mean,
     f32,
     learning_rate_at,
@@ -80,6 +83,11 @@ class OneBitAdamState(NamedTuple):
         denominator ``d = max(sqrt(v_hat), floor * rms) + eps`` and ``mu`` the preconditioned
         momentum ``m / d`` (Adam's first moment is ``mu * nu``, its ``v_hat`` is ``(nu -
         eps)**2`` where the floor did not bind).
+      mean_wire: ``mu`` as the 1-bit all-reduce sent it (:class:`jaxcomm.PackedMean`:
+        packed signs and scales, about 1/32 of ``mu``'s bytes, replicated), which the
+        compressed steps read instead of ``mu``; ``mean_wire.valid`` is false until the first
+        compressed step and after a resize, when the step reads ``mu`` once. Empty for a
+        compressor without a packed mean, a tuple of axes or a ``momentum_mask``.
     """
 
     count: jax.Array
@@ -88,6 +96,7 @@ class OneBitAdamState(NamedTuple):
     comm: ReduceState
     skips: SkipCounters
     preconditioned: jax.Array
+    mean_wire: PackedMean
 
 
 def scale_by_onebit_adam(
@@ -152,7 +161,12 @@ def scale_by_onebit_adam(
         # Distinct arrays for the counters (one shared buffer cannot be donated three times).
         count, skips = jnp.zeros([], jnp.int32), SkipCounters.zeros()
         in_step_space = jnp.zeros([], jnp.bool_)
-        return OneBitAdamState(count, mu, zeros_f32(params), comm, skips, in_step_space)
+        wire = (
+            init_packed_mean(mu, compressor, bucket_bytes, axis_name, n)
+            if momentum_mask is None
+            else PackedMean((), jnp.zeros([], jnp.bool_))
+        )
+        return OneBitAdamState(count, mu, zeros_f32(params), comm, skips, in_step_space, wire)
 
     def update_fn(updates, state, params=None):
         del params
@@ -175,25 +189,10 @@ def scale_by_onebit_adam(
                 lambda v: damped_denominator(v, eps_, floor, scale=c2, enabled=frozen), nu
             )
 
-        # Phases: 0 warm-up, 1 compressed from Adam's moments, 2 compressed in the step's space
-        # (mu = m / d, nu = d from the first compressed step on, so the 1-bit mean is the new mu).
-        # A Python int when static or phase-specialised: only its branch is traced.
-        if static_freeze is not None and static_freeze <= 0:  # no warm-up branch at all
-            frozen = True
-            # Moved after the first step that is not skipped, then for good.
-            moved = jnp.where(state.preconditioned, STEADY_FOREVER, 0)
-            in_step_space = phase(state.preconditioned, steady=moved) if precondition else False
-        else:
-            compressed = 1 + state.preconditioned.astype(jnp.int32) if precondition else 1
-            cases = 3 if precondition else 2
-            # Warm-up until the count reaches freeze_step; kind 1 lasts one (unskipped) step.
-            steady = steady_below(state.count, freeze_step)
-            if precondition:
-                held = state.preconditioned | (state.count < freeze_step)
-                steady = jnp.where(held, steady, 0)
-            kind = phase(jnp.where(state.count >= freeze_step, compressed, 0), cases, steady=steady)
-            frozen = kind >= 1
-            in_step_space = kind == 2
+        packs = momentum_mask is None and bool(state.mean_wire.buckets)
+        frozen, in_step_space, from_wire = _phases(
+            state, freeze_step, static_freeze, precondition=precondition, packs=packs
+        )
 
         # Known compressed with no mask: the mean is the new momentum, and the collective falls
         # back to the old one itself when not finite (no select pass over the tree). With one
@@ -218,7 +217,10 @@ def scale_by_onebit_adam(
             mean = exact_mean(g, axis_name, bucket_bytes)
             return mean, comm, all_finite(mean)
 
-        def compress(g, mu, comm, in_step_space=False):
+        def compress(g, mu, comm, in_step_space=False, kept=None):
+            """The compressed mean of the momentum updated from ``mu``; ``kept``: the same
+            values as ``mu`` in the form the fallback reads (``mu`` when not given)."""
+            kept = mu if kept is None else kept
             if precondition:
                 # Compress m / d, what the step applies: its magnitudes are even across
                 # coordinates, so one 1-bit scale fits them. In the step's space m is mu * d.
@@ -228,18 +230,35 @@ def scale_by_onebit_adam(
                 local = jax.tree.map(local_step, mu, g, frozen_denominator(in_step_space))
             else:
                 local = ema(mu, g, b1_)  # in the branch, so that it fuses into the 1-bit pass
+            if mean_is_momentum and packs:  # and the mean before the fallback, and as sent
+                return compressed_mean_packed_call(
+                    local, comm, kept, axis_name, compressor, bucket_bytes
+                )
             if mean_is_momentum:  # and the mean before the fallback, last
-                return compressed_mean_or_fallback_call(
-                    local, comm, mu, axis_name, compressor, bucket_bytes, return_fresh=True
+                return (
+                    *compressed_mean_or_fallback_call(
+                        local, comm, kept, axis_name, compressor, bucket_bytes, return_fresh=True
+                    ),
+                    None,
                 )
             mean, new = compressed_mean_call(local, comm, axis_name, compressor, bucket_bytes)
             return mean, new, mean_finite(mean, comm, new, axis_name, compressor=compressor)
 
         # One compressed branch, for both spaces (one collective chain in the program).
         compress_here = partial(compress, in_step_space=in_step_space)
-        fresh = None  # the 1-bit mean as decoded, before the fallback
+        # The momentum the step starts from (and keeps when skipped): mu, or the same values
+        # decoded from the packed mean; the fallback reads whichever form the backend keeps
+        # at no cost (jaxcomm.fusion.kept_form).
+        prev, kept = state.mu, None
+        if from_wire:
+
+            def decoded():
+                return unpack_mean(state.mean_wire, state.mu, compressor, bucket_bytes)
+
+            prev, kept = decoded(), kept_form(state.mu, decoded)
+        fresh = packed = None  # the 1-bit mean as decoded before the fallback, and as sent
         if mean_is_momentum:  # known compressed: no conditional, the branch itself
-            mean, comm, ok, fresh = compress_here(grads, state.mu, state.comm)
+            mean, comm, ok, fresh, packed = compress_here(grads, prev, state.comm, kept=kept)
         else:
             mean, comm, ok = phase_cond(frozen, compress_here, warm, grads, state.mu, state.comm)
         # warm-up: mean = the exact mean gradient g, m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2;
@@ -260,7 +279,7 @@ def scale_by_onebit_adam(
         )
         # A non-finite mean (NaN/Inf on any device) skips the step: moments and error feedback
         # stay, nothing moves. The step is taken of the kept moments (else XLA copies mu, nu).
-        mu = mu if fallback_is_skip else keep_if(ok, mu, state.mu)
+        mu = mu if fallback_is_skip else keep_if(ok, mu, prev)
         nu = keep_if(ok, nu, state.nu)
         comm = keep_error_feedback(ok, comm, state.comm, state.mu, compressor, bucket_bytes)
         if not precondition:
@@ -285,10 +304,58 @@ def scale_by_onebit_adam(
             comm,
             skips,
             jnp.where(ok, jnp.asarray(frozen) & precondition, state.preconditioned),
+            _next_wire(state.mean_wire, packed, ok),
         )
         return direction, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _phases(state: OneBitAdamState, freeze_step, static_freeze, *, precondition: bool, packs: bool):
+    """``(frozen, in_step_space, from_wire)`` of this step, from the state's phase.
+
+    Phases: 0 warm-up; 1 compressed from the dense momentum (from Adam's moments the first
+    time; in the step's space after a resize); 2 compressed in the step's space (``mu = m /
+    d``, ``nu = d`` from the first compressed step on, so the 1-bit mean is the new ``mu``),
+    from the packed mean of the previous step where the compressor has one (``packs``).
+    Without preconditioning or a packed mean, kind 1 is the only compressed kind. Python
+    values when static or phase-specialised: only their branches are traced.
+    """
+    staged = precondition or packs
+    ready = jnp.asarray(state.preconditioned | (not precondition))
+    if packs:
+        ready = ready & state.mean_wire.valid
+    if static_freeze is not None and static_freeze <= 0:  # no warm-up branch at all
+        frozen = True
+        # Ready after the first step that is not skipped, then for good.
+        moved = jnp.where(ready, STEADY_FOREVER, 0)
+        steady_kind = phase(ready, steady=moved) if staged else False
+    else:
+        compressed = 1 + ready.astype(jnp.int32) if staged else 1
+        cases = 3 if staged else 2
+        # Warm-up until the count reaches freeze_step; kind 1 lasts one (unskipped) step.
+        steady = steady_below(state.count, freeze_step)
+        if staged:
+            held = ready | (state.count < freeze_step)
+            steady = jnp.where(held, steady, 0)
+        kind = phase(jnp.where(state.count >= freeze_step, compressed, 0), cases, steady=steady)
+        frozen = kind >= 1
+        steady_kind = kind == 2
+    if not precondition:
+        in_step_space = False
+    else:  # the steady kind is in the step's space; before it, as the state says
+        in_step_space = True if steady_kind is True else state.preconditioned
+    # The previous mean from its packed form: read where it is used, 1/32 of the bytes.
+    return frozen, in_step_space, packs and steady_kind is True
+
+
+def _next_wire(wire: PackedMean, packed, ok: jax.Array) -> PackedMean:
+    """The packed mean after a step that sent ``packed`` (``None``: sent none) with verdict
+    ``ok``: the new mean as sent, kept with the momentum when skipped; a step that moves the
+    momentum without sending it leaves the packed mean behind (not valid)."""
+    if packed is None:
+        return wire._replace(valid=~ok & wire.valid)
+    return PackedMean(keep_if(ok, packed, wire.buckets), ok | wire.valid)
 
 
 def onebit_adam(

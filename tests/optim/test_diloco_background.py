@@ -7,6 +7,7 @@ they must agree bit for bit; the exact mean sums the devices' chunks in device o
 ``lax.psum`` does on XLA:CPU.
 """
 
+import functools
 import time
 
 import jax
@@ -53,6 +54,29 @@ def _run(mesh, tx, batches, state=None, step=None):
     return state
 
 
+@functools.cache
+def _reference_step(mesh, compressor, H, F, tau, bucket_bytes=None):
+    """The single-program step of a configuration and its initial state (host arrays and their
+    shardings), compiled once for every test that compares against it (compiling is nearly all
+    of a run's time): the step is a pure function of its input state, so the runs share only
+    the compiled programs."""
+    tx = _tx(False, compressor, H, F, tau, bucket_bytes=bucket_bytes)
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
+    return step, jax.tree.map(np.asarray, state), jax.tree.map(lambda x: x.sharding, state)
+
+
+def _reference(mesh, compressor, H, F, tau, batches, bucket_bytes=None, each=None):
+    """The single-program run on ``batches`` from a fresh copy of the initial state (the step
+    donates its input); ``each(t, state)`` may change the state before step ``t``."""
+    step, arrays, shardings = _reference_step(mesh, compressor, H, F, tau, bucket_bytes)
+    state = jax.device_put(arrays, shardings)
+    for t, batch in enumerate(batches, start=1):
+        if each is not None:
+            state = each(t, state)
+        state, _ = step(state, batch)
+    return state
+
+
 def _without_pending(state):
     """Every leaf but DiLoCo's pending pseudo-gradients (which only the background path has)."""
     diloco = state.opt_state
@@ -80,7 +104,7 @@ def assert_same_bits(got, want):
 )
 def test_background_equals_the_single_program_bit_for_bit(mesh, compressor, H, F, tau):
     batches = make_batches(3 * H)  # ends between syncs: nothing in flight
-    want = _run(mesh, _tx(False, compressor, H, F, tau), batches)
+    want = _reference(mesh, compressor, H, F, tau, batches)
     got = _run(mesh, _tx(True, compressor, H, F, tau), batches)
     assert_same_bits(got, want)
     if getattr(compressor, "error_feedback", False):
@@ -116,10 +140,13 @@ def test_checkpoint_mid_flight_resumes_bit_for_bit(mesh, tmp_path, compressor):
             checkpointer.wait_until_finished()
             assert np.abs(np.asarray(state.opt_state.local.pending[0][0])).max() > 0
     final = jax.tree.map(np.asarray, state)
-    for t, abstract in saved.items():
-        restored = checkpointer.restore(tmp_path / f"step{t}", abstract)
-        # A new process: a new step, which reissues the sync in flight from the state.
-        fresh, _ = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
+    # A new process: a new step, which reissues the sync in flight from the state. The state
+    # after step 5 resumes with one step passing pending on before the merge; the one after
+    # step 6 (the merge follows the reissue at once) is then given to that same step, rewound:
+    # the same path for a state the step did not produce, without compiling it all again.
+    fresh, _ = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
+    for t in (5, 6):
+        restored = checkpointer.restore(tmp_path / f"step{t}", saved[t])
         restored = _run(mesh, tx, batches[t:], restored, fresh)
         for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(final), strict=True):
             np.testing.assert_array_equal(np.asarray(got), want)
@@ -251,20 +278,22 @@ def test_a_nonfinite_sync_keeps_the_error_feedback_as_the_single_program(
     run stays the single program's, bit for bit."""
     batches = make_batches(12)
 
-    def run(background):
-        tx = _tx(background, compressor, 6, 1, 3, bucket_bytes=bucket_bytes)
-        step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
-        for t, batch in enumerate(batches, start=1):
-            if t == 7:
-                comm = state.opt_state.comm[0]
-                bucket = comm.buckets[0]
-                bucket = bucket._replace(**{field: getattr(bucket, field).at[3, 0].set(value)})
-                comms = (comm._replace(buckets=(bucket, *comm.buckets[1:])),)
-                state = state._replace(opt_state=state.opt_state._replace(comm=comms))
-            state, _ = step(state, batch)
-        return state
+    def poison(t, state):
+        if t != 7:
+            return state
+        comm = state.opt_state.comm[0]
+        bucket = comm.buckets[0]
+        bucket = bucket._replace(**{field: getattr(bucket, field).at[3, 0].set(value)})
+        comms = (comm._replace(buckets=(bucket, *comm.buckets[1:])),)
+        return state._replace(opt_state=state.opt_state._replace(comm=comms))
 
-    want, got = run(False), run(True)
+    # The reference's programs are the bit-for-bit test's for the same configuration.
+    want = _reference(mesh, compressor, 6, 1, 3, batches, bucket_bytes, poison)
+    tx = _tx(True, compressor, 6, 1, 3, bucket_bytes=bucket_bytes)
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
+    for t, batch in enumerate(batches, start=1):
+        state, _ = step(poison(t, state), batch)
+    got = state
     counts = np.asarray(got.opt_state.comm[0].nonfinite)
     np.testing.assert_array_equal(counts, np.full((8, 1), 1))  # the sync after step 6
     residual = np.asarray(getattr(got.opt_state.comm[0].buckets[0], field))

@@ -9,6 +9,8 @@ Issue 13 item 6: bf16 parameters and gradients, fp32 moments and error feedback;
 follows the fp32 run of the same data.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 
 import jaxcomm as jc
 from tests.conftest import NUM_DEVICES
-from tests.optim.test_optimizers import SHAPES, flat, grad_steps, init_params, run
+from tests.optim.test_optimizers import SHAPES, flat, grad_steps, init_params, linear_loss, run
 
 N = NUM_DEVICES
 
@@ -78,6 +80,29 @@ SKIP_CASES = (
 )
 
 
+@functools.cache
+def shared_step(name, phased=False, dtype=np.float32):
+    """One train step and its initial state per optimizer, phasing and dtype, compiled once:
+    the clean reference and the poisoned run of a test (and the bf16 test's fp32 run) start
+    from copies of the same initial state (``step`` is a function of the state it is given)."""
+    build = BUILDERS.get(name) or BUCKETED[name]
+    mesh = jax.make_mesh((N,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    return jc.make_train_step(
+        mesh, "dp", linear_loss, build(), init_params(dtype=dtype), specialize_phases=phased
+    )
+
+
+def run_shared(name, steps, phased=False, dtype=np.float32):
+    """``run(BUILDERS[name](), steps, ...)`` on the shared step of ``name``."""
+    step, initial = shared_step(name, phased, dtype)
+    state = jax.tree.map(jnp.copy, initial)  # the step donates its input
+    history = []
+    for grads in steps:
+        state, _ = step(state, grads)
+        history.append(jax.tree.map(np.asarray, state.params))
+    return history, state
+
+
 @pytest.mark.parametrize("name,phased", SKIP_CASES)
 def test_nonfinite_steps_are_skipped_exactly(name, phased):
     clean = grad_steps(11, seed=21)
@@ -89,9 +114,8 @@ def test_nonfinite_steps_are_skipped_exactly(name, phased):
         + [poisoned(clean[7], np.nan)] * 3
         + clean[7:]
     )
-    build = BUILDERS.get(name) or BUCKETED[name]
-    want, _ = run(build(), clean, phased=phased)
-    got, state = run(build(), steps, phased=phased)
+    want, _ = run_shared(name, clean, phased=phased)
+    got, state = run_shared(name, steps, phased=phased)
     for k in SHAPES:
         np.testing.assert_array_equal(got[-1][k], want[-1][k], err_msg=k)
     assert all(np.all(np.isfinite(p[k])) for p in got for k in SHAPES)
@@ -103,8 +127,8 @@ def test_phased_onebit_adam_skips_its_first_compressed_step_exactly():
     # the collective falls back to is still Adam's (and state.preconditioned stays False).
     clean = grad_steps(7, seed=24)
     steps = clean[:3] + [poisoned(clean[3], np.nan)] + clean[3:]  # freeze_step=3
-    want, _ = run(BUILDERS["onebit_adam"](), clean, phased=True)
-    got, state = run(BUILDERS["onebit_adam"](), steps, phased=True)
+    want, _ = run_shared("onebit_adam", clean, phased=True)
+    got, state = run_shared("onebit_adam", steps, phased=True)
     for k in SHAPES:
         np.testing.assert_array_equal(got[-1][k], want[-1][k], err_msg=k)
     assert skip_counters(state.opt_state) == (0, 1)
@@ -122,8 +146,8 @@ def test_too_many_consecutive_skips_raise(name):
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_bf16_params_follow_fp32(name):
     steps = grad_steps(8, seed=23)
-    f32, _ = run(BUILDERS[name](), steps)
-    bf16, state = run(BUILDERS[name](), steps, params=init_params(dtype=jnp.bfloat16))
+    f32, _ = run_shared(name, steps)
+    bf16, state = run_shared(name, steps, dtype=jnp.bfloat16)
     assert all(v.dtype == jnp.bfloat16 for v in bf16[-1].values())
     p0 = flat(init_params(dtype=jnp.bfloat16))
 

@@ -55,21 +55,29 @@ def _run(mesh, tx, batches, state=None, step=None):
 
 
 @functools.cache
-def _reference_step(mesh, compressor, H, F, tau, bucket_bytes=None):
-    """The single-program step of a configuration and its initial state (host arrays and their
-    shardings), compiled once for every test that compares against it (compiling is nearly all
-    of a run's time): the step is a pure function of its input state, so the runs share only
-    the compiled programs."""
-    tx = _tx(False, compressor, H, F, tau, bucket_bytes=bucket_bytes)
+def _compiled(mesh, background, compressor, H, F, tau, bucket_bytes=None):
+    """A configuration's train step and its initial state (host arrays and their shardings),
+    compiled once for every test that runs it (compiling is nearly all of a run's time). The
+    single-program step is a pure function of its input state. The background step is given
+    a state it did not produce at the start of each run, so it resumes from it as a new
+    step's first call does (at step 0 nothing is in flight to reissue), and the runs sharing
+    it end between syncs; the tests that break a step's sync keep steps of their own."""
+    tx = _tx(background, compressor, H, F, tau, bucket_bytes=bucket_bytes)
     step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
     return step, jax.tree.map(np.asarray, state), jax.tree.map(lambda x: x.sharding, state)
 
 
-def _reference(mesh, compressor, H, F, tau, batches, bucket_bytes=None, each=None):
-    """The single-program run on ``batches`` from a fresh copy of the initial state (the step
-    donates its input); ``each(t, state)`` may change the state before step ``t``."""
-    step, arrays, shardings = _reference_step(mesh, compressor, H, F, tau, bucket_bytes)
-    state = jax.device_put(arrays, shardings)
+def _shared(mesh, background, compressor, H, F, tau, bucket_bytes=None):
+    """The shared step of a configuration and a fresh copy of its initial state (the step
+    donates its input)."""
+    step, arrays, shardings = _compiled(mesh, background, compressor, H, F, tau, bucket_bytes)
+    return step, jax.device_put(arrays, shardings)
+
+
+def _shared_run(mesh, background, compressor, H, F, tau, batches, bucket_bytes=None, each=None):
+    """The shared step's run on ``batches``; ``each(t, state)`` may change the state before
+    step ``t``."""
+    step, state = _shared(mesh, background, compressor, H, F, tau, bucket_bytes)
     for t, batch in enumerate(batches, start=1):
         if each is not None:
             state = each(t, state)
@@ -104,8 +112,8 @@ def assert_same_bits(got, want):
 )
 def test_background_equals_the_single_program_bit_for_bit(mesh, compressor, H, F, tau):
     batches = make_batches(3 * H)  # ends between syncs: nothing in flight
-    want = _reference(mesh, compressor, H, F, tau, batches)
-    got = _run(mesh, _tx(True, compressor, H, F, tau), batches)
+    want = _shared_run(mesh, False, compressor, H, F, tau, batches)
+    got = _shared_run(mesh, True, compressor, H, F, tau, batches)
     assert_same_bits(got, want)
     if getattr(compressor, "error_feedback", False):
         assert int(np.asarray(got.opt_state.comm[0].nonfinite).sum()) == 0
@@ -127,9 +135,8 @@ def test_exact_background_matches_numpy(mesh, H, F, tau):
 def test_checkpoint_mid_flight_resumes_bit_for_bit(mesh, tmp_path, compressor):
     # H=8, F=2, tau=3: fragment 0 syncs after step 4, is issued in step 5 and merged in step
     # 7: states after steps 5 and 6 are mid-flight (pending holds the pseudo-gradients).
-    tx = _tx(True, compressor, 8, 2, 3)
     batches = make_batches(12)
-    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
+    step, state = _shared(mesh, True, compressor, 8, 2, 3)  # the bit-for-bit test's F2 step
     checkpointer = ocp.StandardCheckpointer()
     saved = {}
     for t, batch in enumerate(batches, start=1):
@@ -140,10 +147,12 @@ def test_checkpoint_mid_flight_resumes_bit_for_bit(mesh, tmp_path, compressor):
             checkpointer.wait_until_finished()
             assert np.abs(np.asarray(state.opt_state.local.pending[0][0])).max() > 0
     final = jax.tree.map(np.asarray, state)
-    # A new process: a new step, which reissues the sync in flight from the state. The state
-    # after step 5 resumes with one step passing pending on before the merge; the one after
-    # step 6 (the merge follows the reissue at once) is then given to that same step, rewound:
-    # the same path for a state the step did not produce, without compiling it all again.
+    # A new process: a new transformation and step, which reissues the sync in flight from the
+    # state. The state after step 5 resumes with one step passing pending on before the merge;
+    # the one after step 6 (the merge follows the reissue at once) is then given to that same
+    # step, rewound: the same path for a state the step did not produce, without compiling it
+    # all again.
+    tx = _tx(True, compressor, 8, 2, 3)
     fresh, _ = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
     for t in (5, 6):
         restored = checkpointer.restore(tmp_path / f"step{t}", saved[t])
@@ -287,13 +296,9 @@ def test_a_nonfinite_sync_keeps_the_error_feedback_as_the_single_program(
         comms = (comm._replace(buckets=(bucket, *comm.buckets[1:])),)
         return state._replace(opt_state=state.opt_state._replace(comm=comms))
 
-    # The reference's programs are the bit-for-bit test's for the same configuration.
-    want = _reference(mesh, compressor, 6, 1, 3, batches, bucket_bytes, poison)
-    tx = _tx(True, compressor, 6, 1, 3, bucket_bytes=bucket_bytes)
-    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
-    for t, batch in enumerate(batches, start=1):
-        state, _ = step(poison(t, state), batch)
-    got = state
+    # Both steps are the bit-for-bit test's of the same configuration, or shared by the cases.
+    want = _shared_run(mesh, False, compressor, 6, 1, 3, batches, bucket_bytes, poison)
+    got = _shared_run(mesh, True, compressor, 6, 1, 3, batches, bucket_bytes, poison)
     counts = np.asarray(got.opt_state.comm[0].nonfinite)
     np.testing.assert_array_equal(counts, np.full((8, 1), 1))  # the sync after step 6
     residual = np.asarray(getattr(got.opt_state.comm[0].buckets[0], field))

@@ -69,20 +69,27 @@ def _run(mesh, tx, batches, each=None, step=None, state=None):
 
 
 @functools.cache
-def _reference_step(mesh, compressor, H, F, tau, bucket_bytes):
-    """The single-program step of a configuration and its initial state (host arrays and their
-    shardings), compiled once for every test that compares against it (compiling is nearly all
-    of a run's time): the step is a pure function of its input state, so the runs share only
-    the compiled programs."""
-    tx = _tx(False, compressor, H, F, tau, bucket_bytes=bucket_bytes)
+def _compiled(mesh, background, compressor, H, F, tau, bucket_bytes):
+    """A configuration's train step and its initial state (host arrays and their shardings),
+    compiled once for every test that runs it (compiling is nearly all of a run's time). The
+    single-program step is a pure function of its input state. The background step is given
+    a state it did not produce at the start of each run, so it resumes from it as a new
+    step's first call does (at step 0 nothing is in flight to reissue), and the runs sharing
+    it end between syncs."""
+    tx = _tx(background, compressor, H, F, tau, bucket_bytes=bucket_bytes)
     step, state = jc.make_train_step(mesh, AXES, loss_fn, tx, make_params())
     return step, jax.tree.map(np.asarray, state), jax.tree.map(lambda x: x.sharding, state)
 
 
-def _reference(mesh, compressor, H, F, tau, bucket_bytes, batches, each=None):
-    """The single-program run from a fresh copy of the initial state (the step donates it)."""
-    step, arrays, shardings = _reference_step(mesh, compressor, H, F, tau, bucket_bytes)
-    return _run(mesh, None, batches, each, step, jax.device_put(arrays, shardings))
+def _shared(mesh, background, compressor, H, F, tau, bucket_bytes):
+    """The shared step and a fresh copy of its initial state (the step donates its input)."""
+    step, arrays, shardings = _compiled(mesh, background, compressor, H, F, tau, bucket_bytes)
+    return step, jax.device_put(arrays, shardings)
+
+
+def _shared_run(mesh, background, compressor, H, F, tau, bucket_bytes, batches, each=None):
+    step, state = _shared(mesh, background, compressor, H, F, tau, bucket_bytes)
+    return _run(mesh, None, batches, each, step, state)
 
 
 CASES = [
@@ -104,8 +111,8 @@ def test_background_over_the_tuple_equals_the_single_program_bit_for_bit(
     mesh2d, compressor, H, F, tau, bucket_bytes
 ):
     batches = make_batches(3 * H)  # ends between syncs: nothing in flight
-    want = _reference(mesh2d, compressor, H, F, tau, bucket_bytes, batches)
-    got = _run(mesh2d, _tx(True, compressor, H, F, tau, bucket_bytes=bucket_bytes), batches)
+    want = _shared_run(mesh2d, False, compressor, H, F, tau, bucket_bytes, batches)
+    got = _shared_run(mesh2d, True, compressor, H, F, tau, bucket_bytes, batches)
     assert_same_bits(got, want)
     same_within_nodes(got)
     if getattr(compressor, "error_feedback", False):
@@ -154,10 +161,9 @@ def test_a_nonfinite_share_is_guarded_as_in_the_single_program(
         comms = (comm._replace(buckets=(bucket, *comm.buckets[1:])),)
         return state._replace(opt_state=state.opt_state._replace(comm=comms))
 
-    # The reference's programs are shared with the bit-for-bit test of the same configuration
-    # (and between the two-bucket cases).
-    want = _reference(mesh2d, compressor, 6, 1, 3, bucket_bytes, batches, poison)
-    got = _run(mesh2d, _tx(True, compressor, 6, 1, 3, bucket_bytes=bucket_bytes), batches, poison)
+    # Both steps are the bit-for-bit test's of the same configuration, or shared by the cases.
+    want = _shared_run(mesh2d, False, compressor, 6, 1, 3, bucket_bytes, batches, poison)
+    got = _shared_run(mesh2d, True, compressor, 6, 1, 3, bucket_bytes, batches, poison)
     assert_same_bits(got, want)
     counts = np.asarray(got.opt_state.comm[0].nonfinite).reshape(S, L)
     np.testing.assert_array_equal(counts, [np.arange(L) == fast] * S)  # that share, both hosts
@@ -171,9 +177,9 @@ def test_a_restored_state_reissues_the_sync_over_the_tuple(mesh2d):
     into it): the step reissues the sync from the pending pseudo-gradients (the worker program,
     with its fast reduce-scatter) and the run ends bit for bit where the uninterrupted one
     does."""
-    tx = _tx(True, jc.Quantize(bits=8, error_feedback=True), 8, 2, 3)
+    compressor = jc.Quantize(bits=8, error_feedback=True)
     batches = make_batches(12)
-    step, state = jc.make_train_step(mesh2d, AXES, loss_fn, tx, make_params())
+    step, state = _shared(mesh2d, True, compressor, 8, 2, 3, None)  # the int8-ef-F2 case's
     saved = {}
     for t, batch in enumerate(batches, start=1):
         state, _ = step(state, batch)
@@ -182,7 +188,8 @@ def test_a_restored_state_reissues_the_sync_over_the_tuple(mesh2d):
             assert np.abs(np.asarray(state.opt_state.local.pending[0][0])).max() > 0
     final = jax.tree.map(np.asarray, state)
     # The state after step 6 goes to the new step after its run from step 5: the same path
-    # for a state the step did not produce, without compiling a third step.
+    # for a state the step did not produce, without compiling a step per state.
+    tx = _tx(True, compressor, 8, 2, 3)
     fresh, _ = jc.make_train_step(mesh2d, AXES, loss_fn, tx, make_params())
     for t, (arrays, shardings) in saved.items():
         restored = jax.device_put(arrays, shardings)  # as a checkpoint restores it

@@ -7,6 +7,8 @@ the steps ``t % H == o_f`` and, ``tau`` steps later, applies outer SGD (Nesterov
 and mixes ``x_r,f = alpha x_r,f + (1 - alpha) theta_f``.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,10 +138,28 @@ def make_tx(H, **kw):
 
 
 def run(mesh, tx, params, batches):
-    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+    return run_from(*jc.make_train_step(mesh, "dp", loss_fn, tx, params), batches)
+
+
+def run_from(step, initial, batches):
+    """``step`` over ``batches`` from a copy of ``initial`` (kept: the step donates its input)."""
+    state = jax.tree.map(jnp.copy, initial)
     for batch in batches:
         state, _ = step(state, batch)
     return state
+
+
+@functools.cache
+def _shared_step(mesh, H, tx_kw):
+    return jc.make_train_step(mesh, "dp", loss_fn, make_tx(H, **dict(tx_kw)), make_params())
+
+
+def run_shared(mesh, H, batches, **tx_kw):
+    """``run(mesh, make_tx(H, **tx_kw), make_params(), batches)`` on a train step compiled
+    once per configuration (jc.diloco's defaults filled in: ``make_tx(3)`` is the plain
+    streaming case too), shared by the tests that run it."""
+    tx_kw = dict(fragments=1, overlap_steps=0, alpha=0.0) | tx_kw
+    return run_from(*_shared_step(mesh, H, tuple(sorted(tx_kw.items()))), batches)
 
 
 def check_against(state, theta, xs, rtol=2e-5, atol=2e-6):
@@ -176,7 +196,7 @@ def test_h1_outer_sgd_lr1_is_data_parallel_sgd(mesh):
 
 def test_exact_diloco_matches_numpy_over_several_syncs(mesh):
     params, batches = make_params(), make_batches(11)  # syncs after steps 3, 6, 9; 2 local steps
-    state = run(mesh, make_tx(3), params, batches)
+    state = run_shared(mesh, 3, batches)
     theta, xs = numpy_diloco(params, batches, H=3, **HYPER)
     check_against(state, theta, xs)
     assert int(state.opt_state.count) == 11 and int(state.opt_state.skips.total) == 0
@@ -199,7 +219,7 @@ def test_numpy_streaming_with_one_fragment_no_overlap_is_numpy_diloco():
 )
 def test_streaming_matches_numpy(mesh, H, F, tau, alpha):
     params, batches = make_params(), make_batches(13)
-    state = run(mesh, make_tx(H, fragments=F, overlap_steps=tau, alpha=alpha), params, batches)
+    state = run_shared(mesh, H, batches, fragments=F, overlap_steps=tau, alpha=alpha)
     theta, xs = numpy_streaming(params, batches, H=H, F=F, tau=tau, alpha=alpha, **HYPER)
     check_against(state, theta, xs)
 
@@ -322,7 +342,7 @@ def test_nonfinite_inner_step_is_skipped_on_its_device(mesh):
     """A NaN example on device 3 at step 3: that device keeps its parameters and momentum for
     the step (counted per device), the others step on, the syncs go through."""
     params, batches = make_params(), make_batches(7, nan_at=2)
-    state = run(mesh, make_tx(3), params, batches)
+    state = run_shared(mesh, 3, batches)
     theta, xs = numpy_diloco(params, batches, H=3, skip={(3, 3)}, **HYPER)
     check_against(state, theta, xs)
     counts = np.asarray(state.opt_state.local.skips.total)
@@ -336,7 +356,7 @@ def test_consecutive_nonfinite_steps_then_clean_ones(mesh):
     skipped), the others step on, nothing non-finite reaches the outer reduction or its error
     feedback, the skips are counted and the in-a-row counter is back to 0."""
     params, batches = make_params(), make_batches(10, nan_at=(2, 3, 4))
-    state = run(mesh, make_tx(3), params, batches)
+    state = run_shared(mesh, 3, batches)
     theta, xs = numpy_diloco(params, batches, H=3, skip={(3, 3), (4, 3), (5, 3)}, **HYPER)
     check_against(state, theta, xs)
     local = state.opt_state.local
@@ -428,7 +448,8 @@ def test_local_copy_overflowed_by_a_finite_gradient_stops_the_run(mesh):
     tx = jc.diloco(_overflowing_sgd(0.05), optax.sgd(0.7), 4, "dp", max_consecutive_skips=2)
     params, batches = make_params(), make_batches(8)
     batches[1][1][3 * B] = 1e8  # device 3, step 2: a finite gradient near 1e8
-    state = run(mesh, tx, params, batches[:4])
+    step, initial = jc.make_train_step(mesh, "dp", loss_fn, tx, params)  # both runs below
+    state = run_from(step, initial, batches[:4])
     assert int(state.opt_state.skips.total) == 1
     counts = np.asarray(state.opt_state.local.skips.total)
     np.testing.assert_array_equal(counts, [0, 0, 0, 2, 0, 0, 0, 0])
@@ -445,7 +466,7 @@ def test_local_copy_overflowed_by_a_finite_gradient_stops_the_run(mesh):
         for r in (0, 1, 2, 4, 5, 6, 7):
             np.testing.assert_allclose(np.asarray(got)[r], xs[r][i], rtol=1e-5, atol=1e-6)
     with pytest.raises(Exception, match="consecutive steps"):
-        jax.block_until_ready(run(mesh, tx, params, batches))
+        jax.block_until_ready(run_from(step, initial, batches))
 
 
 def test_bad_input_is_refused(mesh):

@@ -7,6 +7,8 @@ NumPy model (float64) of 2 replicas, each stepping on its node's whole batch, wr
 papers (DiLoCo, arXiv:2311.08105; Streaming DiLoCo, arXiv:2501.18512), not from jaxcomm's code.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,7 +108,12 @@ def make_tx(H, *, nesterov=True, outer_lr=None, outer_mom=None, **kw):
 
 
 def run(mesh, tx, params, batches, each=None):
-    step, state = jc.make_train_step(mesh, AXES, loss_fn, tx, params)
+    return run_from(*jc.make_train_step(mesh, AXES, loss_fn, tx, params), batches, each)
+
+
+def run_from(step, initial, batches, each=None):
+    """``step`` over ``batches`` from a copy of ``initial`` (kept: the step donates its input)."""
+    state = jax.tree.map(jnp.copy, initial)
     losses = []
     for batch in batches:
         state, loss = step(state, batch)
@@ -114,6 +121,19 @@ def run(mesh, tx, params, batches, each=None):
         if each is not None:
             each(state)
     return state, losses
+
+
+@functools.cache
+def _shared_step(mesh, H, tx_kw):
+    return jc.make_train_step(mesh, AXES, loss_fn, make_tx(H, **dict(tx_kw)), make_params())
+
+
+def run_shared(mesh, H, batches, each=None, **tx_kw):
+    """``run(mesh, make_tx(H, **tx_kw), make_params(), batches, each)`` on a train step compiled
+    once per configuration (jc.diloco's defaults filled in: the exact ``make_tx(3)`` of several
+    tests is the plain-nesterov case too), shared by the tests that run it."""
+    tx_kw = dict(fragments=1, overlap_steps=0, alpha=0.0) | tx_kw
+    return run_from(*_shared_step(mesh, H, tuple(sorted(tx_kw.items()))), batches, each)
 
 
 def same_within_nodes(state):
@@ -140,10 +160,10 @@ def test_exact_diloco_over_the_tuple_equals_numpy_nodes(mesh2d, H, F, tau, alpha
     """NoCompression outer: 2 replicas, each exact data parallel over its node's 4 devices."""
     params, batches = make_params(), make_batches(13)
     extra = dict(outer_lr=1.0, outer_mom=0.0, nesterov=False) if outer == "sgd1" else {}
-    tx = make_tx(
-        H, compressor=jc.NoCompression(), fragments=F, overlap_steps=tau, alpha=alpha, **extra
-    )
-    state, _ = run(mesh2d, tx, params, batches, each=same_within_nodes)
+    state, _ = run_shared(
+        mesh2d, H, batches, same_within_nodes, compressor=jc.NoCompression(), fragments=F,
+        overlap_steps=tau, alpha=alpha, **extra,
+    )  # fmt: skip
     hyper = dict(HYPER, outer_lr=1.0, outer_mom=0.0) if outer == "sgd1" else HYPER
     theta, xs = numpy_nodes(
         params, batches, H=H, F=F, tau=tau, alpha=alpha, nesterov=outer != "sgd1", **hyper
@@ -163,8 +183,7 @@ def test_a_nonfinite_gradient_on_one_device_skips_its_node(mesh2d):
     devices alike, their copies stay identical), node 1 steps on."""
     params, batches = make_params(), make_batches(7)
     batches[1][0][2 * B, 0] = np.nan  # device (host 0, local 2), step 2
-    tx = make_tx(3, compressor=jc.NoCompression())
-    state, _ = run(mesh2d, tx, params, batches, each=same_within_nodes)
+    state, _ = run_shared(mesh2d, 3, batches, same_within_nodes, compressor=jc.NoCompression())
     theta, xs = numpy_nodes(
         params, batches, H=3, F=1, tau=0, alpha=0.0, nesterov=True, skip={(2, 0)}, **HYPER
     )
@@ -173,16 +192,14 @@ def test_a_nonfinite_gradient_on_one_device_skips_its_node(mesh2d):
     for i, leaf in enumerate(jax.tree.leaves(state.params)):
         for s in range(S):
             np.testing.assert_allclose(np.asarray(leaf)[s * L], xs[s][i], rtol=2e-5, atol=2e-6)
-    np.testing.assert_array_equal(
-        np.asarray(state.opt_state.local.skips.total), [1] * L + [0] * L
-    )
+    np.testing.assert_array_equal(np.asarray(state.opt_state.local.skips.total), [1] * L + [0] * L)
     assert int(state.opt_state.skips.total) == 0
 
 
 def test_the_replicas_are_nodes_not_devices(mesh2d):
     """The same run over one flat axis of the 8 devices (8 replicas) is another trajectory."""
     params, batches = make_params(), make_batches(6)
-    state, _ = run(mesh2d, make_tx(3, compressor=jc.NoCompression()), params, batches)
+    state, _ = run_shared(mesh2d, 3, batches, compressor=jc.NoCompression())
     got = np.asarray(jc.diloco_params(state.opt_state)["w"])
     flat_mesh = jax.make_mesh((S * L,), ("dp",), axis_types=(AxisType.Auto,))
     tx = jc.diloco(
@@ -220,6 +237,16 @@ def mlp_batches(steps, seed=1):
     return out
 
 
+@functools.cache
+def mlp_step(mesh, comp):
+    """The MLP's DiLoCo step (Adam inner, Nesterov outer, H=4) with ``comp`` across ``host``,
+    compiled once for both tests of that compressor: its bytes and its learning."""
+    tx = jc.diloco(
+        optax.adam(1e-2), optax.sgd(0.7, momentum=0.9, nesterov=True), 4, AXES, compressor=comp
+    )
+    return jc.make_train_step(mesh, AXES, mlp_loss, tx, mlp_params())
+
+
 def host_bytes(step, state, batch, mesh):
     text = step.lower(state, batch).compile().as_text()
     return sum(v for k, v in wire_bytes_by_axes(text, mesh).items() if "host" in k)
@@ -241,14 +268,18 @@ def test_only_the_sync_crosses_nodes_and_only_its_share(mesh2d, name, comp, bits
     fp32 scalar); the sync step sends the
     compressed ``1/L`` share: <= 1.3 x (2 P bits / 8) / L + a few kB."""
     H = 4
-    tx = jc.diloco(optax.adam(1e-2), optax.sgd(0.7), H, AXES, compressor=comp)
     params, data = mlp_params(), mlp_batches(H + 1)
-    step, state = jc.make_train_step(mesh2d, AXES, mlp_loss, tx, params)
+    step, initial = mlp_step(mesh2d, comp)
+    state = jax.tree.map(jnp.copy, initial)  # the step donates its input
     # The reported loss is the mean over all devices: one fp32 scalar all-reduced over the 8
     # (a ring sends 2 x 7/8 x 4 = 7 bytes per device), the only thing an inner step sends.
     loss_only = 2 * (S * L - 1) / (S * L) * 4
+    by_phases = {}  # a step runs the program of its state's phases: one compile per program
     for t in range(1, H + 1):  # the state before step t: steps 1 .. H - 1 inner, H the sync
-        across = host_bytes(step, state, data[t - 1], mesh2d)
+        phases = step.phases(state, data[t - 1])
+        if phases not in by_phases:
+            by_phases[phases] = host_bytes(step, state, data[t - 1], mesh2d)
+        across = by_phases[phases]
         if t < H:
             assert across == loss_only, (t, across)
         else:
@@ -271,10 +302,8 @@ LEARNERS = [c[:2] for c in COMPRESSORS] + [
 @pytest.mark.parametrize("name,comp", LEARNERS, ids=[c[0] for c in LEARNERS])
 def test_compressed_outer_learns_and_nodes_stay_identical(mesh2d, name, comp):
     data = mlp_batches(24, seed=3)
-    tx = jc.diloco(
-        optax.adam(1e-2), optax.sgd(0.7, momentum=0.9, nesterov=True), 4, AXES, compressor=comp
-    )
-    step, state = jc.make_train_step(mesh2d, AXES, mlp_loss, tx, mlp_params())
+    step, initial = mlp_step(mesh2d, comp)
+    state = jax.tree.map(jnp.copy, initial)  # the step donates its input
     losses = []
     for batch in data:
         state, loss = step(state, batch)

@@ -63,7 +63,10 @@ def _compiled(mesh, background, compressor, H, F, tau, bucket_bytes=None):
     step's first call does (at step 0 nothing is in flight to reissue), and the runs sharing
     it end between syncs; the tests that break a step's sync keep steps of their own."""
     tx = _tx(background, compressor, H, F, tau, bucket_bytes=bucket_bytes)
-    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params())
+    # Each program compiles when a run first needs it (the same programs, without those the
+    # runs never use: a resumed sync's, the compile-ahead's schedule reader);
+    # tests/train/test_no_midrun_compile.py checks compiling ahead gives the same bits.
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, make_params(), precompile=False)
     return step, jax.tree.map(np.asarray, state), jax.tree.map(lambda x: x.sharding, state)
 
 

@@ -11,8 +11,9 @@ once. Both helpers keep the values exact and pick the cheaper program per backen
   guard's): a fused select on GPU, a conditional elsewhere.
 * :func:`written_once`: the values behind an optimization barrier on GPU (materialised once,
   read by every consumer), as they are elsewhere.
-* :func:`kept_form`: of two forms of the same values, the one a kept (skipped) step should
-  read: a derived form that fuses into the select on GPU, the stored buffer elsewhere.
+* :func:`kept_form`: of two forms of the same state, the one a step should read (and keep
+  when skipped): a derived form that fuses into its readers on GPU, the stored buffer
+  elsewhere.
 
 The GPU forms were chosen on programs compiled for 8 H100s (``benchmarks/bytes_accessed.py
 --platform h100``, ``benchmarks/results/bytes_accessed_h100.json``: 1-bit Adam's compressed
@@ -87,13 +88,14 @@ def written_once(*values: Any) -> Any:
 
 
 def kept_form(stored: Any, derive: Callable[[], Any]) -> Any:
-    """The values a step keeps when it is skipped, given as the ``stored`` buffers and as
+    """State a step reads and keeps when it is skipped, given as the ``stored`` buffers and as
     ``derive()``, the same values computed from a smaller form (the 1-bit mean decoded from
     its packed signs): ``derive()`` on GPU, ``stored`` elsewhere.
 
-    For the ``keep`` operand of :func:`write_or_keep`: on GPU its select fuses the derivation
-    and reads the small form; on CPU the conditional's kept branch passes ``stored`` through
-    with no pass at all, where a derived operand would be computed and written first.
+    On GPU the derivation fuses into each reader (and into :func:`write_or_keep`'s select),
+    which then reads the small form. On CPU the conditional's kept branch passes ``stored``
+    through with no pass at all, and XLA:CPU decodes packed bits element by element,
+    unvectorised: reading the stored buffer is faster there.
     """
     return _on_gpu_else(stored, gpu=lambda _: derive(), other=lambda s: s)
 

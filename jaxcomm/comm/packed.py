@@ -4,9 +4,9 @@ A compressor whose all-reduce output is itself compressed (:class:`jaxcomm.OneBi
 device's server chunk is a scale times packed signs) can hand that output back in its packed
 form, about 1/32 of the mean's bytes. An optimizer whose next step starts from the mean (1-bit
 Adam: the mean momentum is the next step's momentum) keeps the packed form in its state and
-reads the momentum back from it, instead of reading the mean's dense leaves: on a
-memory-bound step that is a pass over the parameters saved, twice on GPU (the momentum update
-and the non-finite fallback both read it).
+reads the momentum back from it on GPU, instead of reading the mean's dense leaves: on a
+memory-bound step that is a pass over the parameters saved, twice (the momentum update and the
+non-finite fallback both read it).
 
 :class:`PackedMean` holds it, per bucket, with a flag saying whether it stands for the state's
 dense copy (``valid``). Its layout depends on the number of devices, so a state moved onto

@@ -85,7 +85,8 @@ class OneBitAdamState(NamedTuple):
         eps)**2`` where the floor did not bind).
       mean_wire: ``mu`` as the 1-bit all-reduce sent it (:class:`jaxcomm.PackedMean`:
         packed signs and scales, about 1/32 of ``mu``'s bytes, replicated), which the
-        compressed steps read instead of ``mu``; ``mean_wire.valid`` is false until the first
+        compressed steps read instead of ``mu`` on GPU (where the decode fuses into its
+        readers; elsewhere they read ``mu``); ``mean_wire.valid`` is false until the first
         compressed step and after a resize, when the step reads ``mu`` once. Empty for a
         compressor without a packed mean, a tuple of axes or a ``momentum_mask``.
     """
@@ -217,10 +218,8 @@ def scale_by_onebit_adam(
             mean = exact_mean(g, axis_name, bucket_bytes)
             return mean, comm, all_finite(mean)
 
-        def compress(g, mu, comm, in_step_space=False, kept=None):
-            """The compressed mean of the momentum updated from ``mu``; ``kept``: the same
-            values as ``mu`` in the form the fallback reads (``mu`` when not given)."""
-            kept = mu if kept is None else kept
+        def compress(g, mu, comm, in_step_space=False):
+            """The compressed mean of the momentum updated from ``mu`` (the fallback too)."""
             if precondition:
                 # Compress m / d, what the step applies: its magnitudes are even across
                 # coordinates, so one 1-bit scale fits them. In the step's space m is mu * d.
@@ -232,12 +231,12 @@ def scale_by_onebit_adam(
                 local = ema(mu, g, b1_)  # in the branch, so that it fuses into the 1-bit pass
             if mean_is_momentum and packs:  # and the mean before the fallback, and as sent
                 return compressed_mean_packed_call(
-                    local, comm, kept, axis_name, compressor, bucket_bytes
+                    local, comm, mu, axis_name, compressor, bucket_bytes
                 )
             if mean_is_momentum:  # and the mean before the fallback, last
                 return (
                     *compressed_mean_or_fallback_call(
-                        local, comm, kept, axis_name, compressor, bucket_bytes, return_fresh=True
+                        local, comm, mu, axis_name, compressor, bucket_bytes, return_fresh=True
                     ),
                     None,
                 )
@@ -246,19 +245,19 @@ def scale_by_onebit_adam(
 
         # One compressed branch, for both spaces (one collective chain in the program).
         compress_here = partial(compress, in_step_space=in_step_space)
-        # The momentum the step starts from (and keeps when skipped): mu, or the same values
-        # decoded from the packed mean; the fallback reads whichever form the backend keeps
-        # at no cost (jaxcomm.fusion.kept_form).
-        prev, kept = state.mu, None
+        # The momentum the step starts from (and keeps when skipped): mu, or on GPU the same
+        # values decoded from the packed mean, where the decode fuses into its readers
+        # (XLA:CPU decodes a packed byte per element unvectorised: slower than reading mu).
+        prev = state.mu
         if from_wire:
 
             def decoded():
                 return unpack_mean(state.mean_wire, state.mu, compressor, bucket_bytes)
 
-            prev, kept = decoded(), kept_form(state.mu, decoded)
+            prev = kept_form(state.mu, decoded)
         fresh = packed = None  # the 1-bit mean as decoded before the fallback, and as sent
         if mean_is_momentum:  # known compressed: no conditional, the branch itself
-            mean, comm, ok, fresh, packed = compress_here(grads, prev, state.comm, kept=kept)
+            mean, comm, ok, fresh, packed = compress_here(grads, prev, state.comm)
         else:
             mean, comm, ok = phase_cond(frozen, compress_here, warm, grads, state.mu, state.comm)
         # warm-up: mean = the exact mean gradient g, m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2;

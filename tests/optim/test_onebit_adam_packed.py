@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxcomm as jc
+from jaxcomm import fusion
 from jaxcomm.comm.packed import unpack_mean
 from tests.conftest import NUM_DEVICES, make_mesh
 from tests.reference.adam_reference import OnebitAdamModel
@@ -65,13 +66,19 @@ def decoded_momentum(opt, params, bucket_bytes):
 
 
 @pytest.mark.parametrize(
-    "bucket_bytes,phased", [(None, True), (1, True), (None, False)],
-    ids=["one-bucket", "bucket-per-leaf", "one-program"],
+    "bucket_bytes,phased,gpu_forms",
+    [(None, True, True), (1, True, True), (None, True, False), (None, False, False)],
+    ids=["one-bucket", "bucket-per-leaf", "one-bucket-cpu-forms", "one-program"],
 )  # fmt: skip
-def test_default_rules_on_the_packed_path_match_the_model(bucket_bytes, phased):
+def test_default_rules_on_the_packed_path_match_the_model(
+    bucket_bytes, phased, gpu_forms, monkeypatch
+):
     """jaxcomm's default rules with no momentum mask: the phase-specialised compressed steps
-    read the previous momentum from the packed mean, and the run is the model's. One program
-    for every phase (the compressed step's kind traced) keeps no packed mean and reads ``mu``."""
+    keep the packed mean, read the previous momentum from it in the programs lowered for a GPU
+    (forced here on CPU) and from ``mu`` elsewhere, and the run is the model's. One program for
+    every phase (the compressed step's kind traced) keeps no packed mean and reads ``mu``."""
+    if gpu_forms:
+        monkeypatch.setattr(fusion, "_on_gpu_else", lambda *ops, gpu, other: gpu(*ops))
     lr = optax.linear_schedule(0.02, 0.005, STEPS)
     tx = jc.onebit_adam(
         lr, axis_name="dp", freeze_step=FREEZE, weight_decay=0.01, bucket_bytes=bucket_bytes

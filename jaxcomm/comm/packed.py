@@ -79,8 +79,8 @@ def unpack_mean(
 ) -> PyTree:
     """The mean ``packed`` stands for, as a tree of fp32 leaves structured like ``like``.
 
-    Each leaf is decoded where it is read: on GPU and CPU its decode fuses into its consumer,
-    which reads the packed bytes, not a dense leaf.
+    Each leaf is decoded where it is read: on GPU its decode fuses into its consumer, which
+    reads the packed bytes, not a dense leaf (XLA:CPU unpacks bits element by element).
     """
     leaves, treedef, buckets = plan_tree(like, compressor, bucket_bytes)
     out: list[Any] = [None] * len(leaves)

@@ -1,11 +1,12 @@
 """1-bit Adam reading its momentum from the packed 1-bit mean (``state.mean_wire``).
 
 After the first compressed step 1-bit Adam keeps its momentum twice: dense (``mu``) and as the
-1-bit all-reduce sent it (``mean_wire``, 1/32 of the bytes), and its compressed steps read the
-packed one. References: the NumPy model of the optimizer (tests/reference/adam_reference.py)
-for the default rules without a momentum mask (the packed path), the invariant ``mu ==
-decode(mean_wire)`` after every compressed step, and the same optimizer on its dense path (a
-momentum mask of ones: no packed mean) for skipped steps and a reshard onto fewer devices.
+1-bit all-reduce sent it (``mean_wire``, 1/32 of the bytes), and in programs lowered for a GPU
+its compressed steps read the packed one. References: the NumPy model of the optimizer
+(tests/reference/adam_reference.py) for the default rules without a momentum mask (the packed
+path), the invariant ``mu == decode(mean_wire)`` after every compressed step, and the same
+optimizer on its dense path (a momentum mask of ones: no packed mean) for skipped steps and a
+reshard onto fewer devices.
 """
 
 import jax
@@ -17,47 +18,20 @@ import pytest
 import jaxcomm as jc
 from jaxcomm import fusion
 from jaxcomm.comm.packed import unpack_mean
-from tests.conftest import NUM_DEVICES, make_mesh
+from tests.conftest import make_mesh
+from tests.optim.test_optimizers import (
+    SHAPES,
+    SIZES,
+    N,
+    flat,
+    flat_per_device,
+    grad_steps,
+    init_params,
+    linear_loss,
+)
 from tests.reference.adam_reference import OnebitAdamModel
 
-N = NUM_DEVICES
-SHAPES = {"a": (3, 7), "b": (11,)}  # tree order a, b
-SIZES = [21, 11]
 FREEZE, STEPS = 3, 9
-
-
-def linear_loss(params, batch):
-    """d loss / d params = this device's row of the batch: the gradients are the data."""
-    return sum(jnp.sum(params[k] * batch[k][0]) for k in params)
-
-
-def init_params():
-    rng = np.random.default_rng(0)
-    return {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
-
-
-def grad_steps(steps, seed=1):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        common = {k: rng.normal(size=s) for k, s in SHAPES.items()}
-        out.append(
-            {
-                k: (common[k][None] + 0.5 * rng.normal(size=(N, *s))).astype(np.float32)
-                for k, s in SHAPES.items()
-            }
-        )
-    return out
-
-
-def flat(tree):
-    return np.concatenate([np.asarray(tree[k], np.float64).reshape(-1) for k in sorted(SHAPES)])
-
-
-def flat_per_device(tree):
-    return np.concatenate(
-        [np.asarray(tree[k], np.float64).reshape(N, -1) for k in sorted(SHAPES)], axis=1
-    )
 
 
 def decoded_momentum(opt, params, bucket_bytes):

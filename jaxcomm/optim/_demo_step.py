@@ -112,24 +112,35 @@ def tile_layout(shapes, chunk_size: int, top_k: int) -> TileLayout:
 def momentum_messages(ms: list[jax.Array], layout: TileLayout, wire: np.dtype):
     """Steps 2-4 of ``jc.scale_by_demo`` for the flat momenta ``ms``: ``({leaf: (offset
     bits, kept values)}, the momenta less what they send)``; leaves with the same tile go
-    through the DCT, top-k and coding as one stack of chunks."""
+    through the DCT, top-k and coding as one stack of chunks.
+
+    What stays is ``IDCT(C - sent)``: the coefficients less the values sent (zero where a
+    kept value travels in fp32, its rounding where it travels narrower), transformed back
+    once. In exact arithmetic that is ``m - IDCT(sent)``; it does not build the dense
+    ``sent`` or read ``m`` again (the DCT is orthonormal: both differ from it by fp32
+    rounding of the same order)."""
     plans = layout.plans
-    messages, leaf_sent = {}, {}
+    messages, leaf_left = {}, {}
     groups = zip(layout.groups, layout.group_plans, layout.group_rows, strict=True)
     for members, plan, rows_of in groups:
         coeffs = _dct(jnp.concatenate([to_chunks(ms[i], plans[i]) for i in members]), plan)
         key = jnp.where(jnp.isfinite(coeffs), jnp.abs(coeffs), jnp.inf)
         idx = wire_order(lax.top_k(key, plan.k)[1], plan)
-        kept = jnp.take_along_axis(coeffs, idx, axis=-1).astype(wire)
+        taken = jnp.take_along_axis(coeffs, idx, axis=-1)
+        # The kept values are read before the coefficients are overwritten in place (else
+        # XLA copies them for the readers it cannot order).
+        taken, coeffs = lax.optimization_barrier((taken, coeffs))
+        kept = taken.astype(wire)
         rows = jnp.arange(plan.chunks)[:, None]
-        sent = jnp.zeros_like(coeffs).at[rows, idx].set(kept.astype(jnp.float32))
-        sent = _dct(sent, plan, inverse=True)
+        # Distinct offsets per chunk: a set in place of the kept coefficients.
+        left = coeffs.at[rows, idx].set(taken - kept.astype(jnp.float32), unique_indices=True)
+        left = _dct(left, plan, inverse=True)
         bits = encode_offsets(idx, plan).reshape(plan.chunks, -1)
         for i, rows_i in zip(members, rows_of, strict=True):
             messages[i] = (bits[rows_i], kept[rows_i].reshape(-1))
-            leaf_sent[i] = sent[rows_i]
+            leaf_left[i] = left[rows_i]
     new_ms = [
-        m - from_chunks(leaf_sent[i], plans[i]) if i in leaf_sent else m for i, m in enumerate(ms)
+        from_chunks(leaf_left[i], plans[i]) if i in leaf_left else m for i, m in enumerate(ms)
     ]
     return messages, new_ms
 
@@ -166,6 +177,7 @@ def sign_directions(parts, all_values, layout: TileLayout, grads: list[jax.Array
     if parts is None:
         return directions
     plans = layout.plans
+    replicas = parts.shape[0]
     group_offsets = unpack_grouped_offsets(parts, plans, layout.groups)
     starts = np.cumsum([0] + [p.kept for p in plans])
     groups = zip(layout.groups, layout.group_plans, layout.group_rows, group_offsets, strict=True)
@@ -175,10 +187,22 @@ def sign_directions(parts, all_values, layout: TileLayout, grads: list[jax.Array
         ).reshape(-1)
         flat = (jnp.arange(plan.chunks)[:, None] * plan.length + off).reshape(-1)
         size = plan.chunks * plan.length
-        sums = jnp.zeros((size,), jnp.float32).at[flat].add(val)
-        count = jnp.zeros((size,), jnp.float32).at[flat].add(1.0)
-        mean = (sums / jnp.maximum(count, 1.0)).reshape(plan.chunks, plan.length)
+        # Each value is divided by how many replicas sent its coefficient before the sum:
+        # the count is a narrow integer array, read back only where values land, and no
+        # dense division pass follows (the sum divided by the count, bit for bit, when the
+        # count is a power of two; within rounding otherwise).
+        count = jnp.zeros((size,), count_dtype(replicas)).at[flat].add(1)
+        share = val / count[flat].astype(jnp.float32)
+        mean = jnp.zeros((size,), jnp.float32).at[flat].add(share).reshape(plan.chunks, -1)
         u = _dct(mean, plan, inverse=True)
         for i, rows_i in zip(members, rows_of, strict=True):
             directions[i] = jnp.sign(from_chunks(u[rows_i], plans[i])).reshape(grads[i].shape)
     return directions
+
+
+def count_dtype(replicas: int) -> np.dtype:
+    """The narrowest unsigned integer that counts up to ``replicas`` senders."""
+    for dtype in (np.uint8, np.uint16):
+        if replicas <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.uint32)

@@ -36,9 +36,12 @@ def damped_denominator(
     *,
     scale: jax.Array | float = 1.0,
     enabled: jax.Array | bool = True,
+    mean: jax.Array | None = None,
 ) -> jax.Array:
     """``max(sqrt(v / scale), floor * rms) + eps`` with ``rms = sqrt(mean(v) / scale)`` over the
-    leaf (``enabled`` false, a bool that may be traced: ``sqrt(v / scale) + eps``).
+    leaf (``enabled`` false, a bool that may be traced: ``sqrt(v / scale) + eps``). ``mean``:
+    ``mean(v)`` if known (a variance that has not changed since it was taken: no pass over
+    ``v`` for it).
 
     The rule of the 1-bit optimizers after their variance freeze (``scale`` is the bias
     correction of ``v``): a coordinate whose frozen ``sqrt(v)`` is below ``floor`` times the
@@ -51,7 +54,7 @@ def damped_denominator(
     root = jnp.sqrt(v / scale)
     if floor is None or is_static_zero(floor) or v.size == 0:
         return root + eps
-    rms = jnp.sqrt(jnp.mean(v) / scale)
+    rms = jnp.sqrt((jnp.mean(v) if mean is None else mean) / scale)
     low = jnp.where(enabled, jnp.asarray(floor, v.dtype) * rms, jnp.zeros_like(rms))
     return jnp.maximum(root, low) + eps
 
@@ -61,7 +64,6 @@ def apply_mask(tree: PyTree, mask: PyTree | None) -> PyTree:
     if mask is None:
         return tree
     return jax.tree.map(lambda x, k: x * jnp.asarray(k, x.dtype), tree, mask)
-
 
 
 # Run length: the warm-up of the 1-bit optimizers.

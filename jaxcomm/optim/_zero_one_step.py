@@ -42,10 +42,12 @@ class ZeroOneStep:
     axis_name: str
     compressor: Compressor
     bucket_bytes: int | None
+    nu_means: PyTree  # each leaf's mean of the variance the step starts from (the state's)
 
-    def denom(self, v: jax.Array) -> jax.Array:
-        """``sqrt(v_hat) + eps``, damped where ``v`` is (near) zero (``variance_floor``)."""
-        return damped_denominator(v, self.eps, self.floor, scale=self.c2)
+    def denom(self, v: jax.Array, v_mean: jax.Array | None = None) -> jax.Array:
+        """``sqrt(v_hat) + eps``, damped where ``v`` is (near) zero (``variance_floor``);
+        ``v_mean``: ``mean(v)`` when known."""
+        return damped_denominator(v, self.eps, self.floor, scale=self.c2, mean=v_mean)
 
     def leaf_step(self, m: jax.Array, den: jax.Array, p: jax.Array | None) -> jax.Array:
         """``lr * (m_hat / den + wd * p)`` for one leaf (before the sign)."""
@@ -61,9 +63,13 @@ class ZeroOneStep:
         return jax.tree.map(lambda _: None, like)
 
     def adam_step(self, mu: PyTree, nu: PyTree) -> PyTree:
-        """``lr * (m_hat / denom(v) + wd * p)`` per leaf (before the sign)."""
+        """``lr * (m_hat / denom(v) + wd * p)`` per leaf (before the sign), ``nu`` the state's."""
         return jax.tree.map(
-            lambda m, v, p: self.leaf_step(m, self.denom(v), p), mu, nu, self.params_or_none(mu)
+            lambda m, v, vm, p: self.leaf_step(m, self.denom(v, vm), p),
+            mu,
+            nu,
+            self.nu_means,
+            self.params_or_none(mu),
         )
 
     def onebit_mean(self, tree, comm):
@@ -97,17 +103,19 @@ class ZeroOneStep:
         return phase_switch(kind, branches, g, mu, nu, u, comm)
 
     def denoms(self, nu: PyTree) -> PyTree:
-        return jax.tree.map(self.denom, nu)
+        """The denominators of the variance the step starts from (``nu``, the state's)."""
+        return jax.tree.map(self.denom, nu, self.nu_means)
 
-    def apply_leaf(self, kind, ok, g, mu, nu_new, u, mean, p, lrs_sync):
+    def apply_leaf(self, kind, ok, g, mu, nu_new, nu_mean, u, mean, p, lrs_sync):
         """One leaf's new ``(m, u, delta)`` for the kind of step (``ok`` false: ``m``, ``u`` kept,
-        ``delta = 0``). ``nu_new`` is the variance after this step, ``mean`` the switch's.
-        ``m`` and ``u`` keep their layout (blocks or not), ``delta`` is shaped like ``g``."""
-        m, u_, delta = self._apply_leaf(kind, ok, g, mu, nu_new, u, mean, p, lrs_sync)
+        ``delta = 0``). ``nu_new`` is the variance after this step and ``nu_mean`` its mean,
+        ``mean`` the switch's. ``m`` and ``u`` keep their layout (blocks or not), ``delta`` is
+        shaped like ``g``."""
+        m, u_, delta = self._apply_leaf(kind, ok, g, mu, nu_new, nu_mean, u, mean, p, lrs_sync)
         return m, u_, delta.reshape(g.shape)
 
-    def _apply_leaf(self, kind, ok, g, mu, nu_new, u, mean, p, lrs_sync):
-        den = self.denom(nu_new)
+    def _apply_leaf(self, kind, ok, g, mu, nu_new, nu_mean, u, mean, p, lrs_sync):
+        den = self.denom(nu_new, nu_mean)
 
         def step_of(m):
             return self.leaf_step(m, den, p)

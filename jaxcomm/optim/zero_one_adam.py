@@ -82,6 +82,9 @@ class ZeroOneAdamState(NamedTuple):
         ``interval_weighted_variance``, else one).
       skips: the updates skipped because they were not finite, in a row and in all
         (:class:`~jaxcomm.guard.SkipCounters`).
+      nu_mean: each leaf's mean of ``nu`` (fp32 scalars, replicated), taken when ``nu`` is
+        updated: the damped denominators (``variance_floor``) of the steps that do not update
+        ``nu`` read it instead of a pass over ``nu``.
     """
 
     count: jax.Array
@@ -95,6 +98,7 @@ class ZeroOneAdamState(NamedTuple):
     comm: ReduceState
     var_updates: jax.Array
     skips: SkipCounters
+    nu_mean: PyTree
 
 
 #: Fractions of ``total_steps`` behind 0/1 Adam's run-length defaults (see :func:`schedule_for`).
@@ -226,6 +230,7 @@ def scale_by_zero_one_adam(
             comm=comm,
             var_updates=jnp.zeros([], jnp.int32),
             skips=SkipCounters.zeros(),
+            nu_mean=jax.tree.map(lambda _: jnp.zeros([], jnp.float32), params),
         )
 
     def update_fn(updates, state, params=None):
@@ -263,6 +268,7 @@ def scale_by_zero_one_adam(
             axis_name=axis_name,
             compressor=compressor,
             bucket_bytes=bucket_bytes,
+            nu_means=state.nu_mean,
         )
         g = f32(updates)
         mu, u = varying(state.local.mu, axis_name), varying(state.local.u, axis_name)
@@ -286,12 +292,22 @@ def scale_by_zero_one_adam(
             state.nu,
             mean,
         )
+        # Its means: taken where it was updated (a phase that cannot update it reads the kept
+        # ones, no pass over nu).
+        nu_mean = state.nu_mean
+        if not isinstance(kind, int) or kind == 0:
+            nu_mean = jax.tree.map(
+                lambda v, old: jnp.where(ok & (kind == 0), leaf_mean(v), old), nu, nu_mean
+            )
         lrs_sync = state.lrs + step.lr  # the learning rates summed over the local steps
         leaves = jax.tree.map(
-            lambda g_, m, v, a, x, p: step.apply_leaf(kind, ok, g_, m, v, a, x, p, lrs_sync),
+            lambda g_, m, v, vm, a, x, p: step.apply_leaf(
+                kind, ok, g_, m, v, vm, a, x, p, lrs_sync
+            ),
             g,
             mu,
             nu,
+            nu_mean,
             u,
             mean,
             step.params_or_none(g),
@@ -307,12 +323,14 @@ def scale_by_zero_one_adam(
             comm=comm,
             var_updates=var_updates,
             skips=skips,
+            nu_mean=nu_mean,
             **intervals(state, t, frozen, var_step, scalers),
         )
         # Moments, variance and local updates already kept their old values when not ok;
         # the scalars (count, schedules) are kept here.
         old_scalars = state._replace(
             nu=nu,
+            nu_mean=nu_mean,
             local=candidate.local,
             comm=comm,
             skips=candidate.skips,
@@ -321,6 +339,11 @@ def scale_by_zero_one_adam(
         return delta, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def leaf_mean(v: jax.Array) -> jax.Array:
+    """``mean(v)`` in fp32 (0 for an empty leaf, whose denominator never reads it)."""
+    return jnp.mean(v) if v.size else jnp.zeros([], jnp.float32)
 
 
 def zero_one_adam(

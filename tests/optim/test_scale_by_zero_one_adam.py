@@ -66,3 +66,43 @@ def test_bf16_parameters_get_the_fp32_change_cast_once():
     assert all(u.dtype == np.float32 for u in u_p.values())
     assert_bitwise_equal({k: u.astype(jnp.bfloat16) for k, u in u_p.items()}, u_a, "updates")
     assert_bitwise_equal(s_p, s_a, "state")
+
+
+def test_kept_variance_means_are_the_means_of_nu_through_every_phase():
+    """``state.nu_mean`` (what the damped denominators read in the steps that do not update
+    ``nu``) equals each leaf's mean of ``nu`` after every step of a phase-specialised run: the
+    variance updates, the 1-bit steps between them, the skipped variance update (a NaN
+    gradient: both kept), the freeze, local steps and synchronisations."""
+    import jax
+
+    rng = np.random.default_rng(3)
+    params = {"w": np.zeros((6, 5), np.float32), "b": np.zeros((5,), np.float32)}
+    x = rng.normal(size=(4 * N, 6)).astype(np.float32)
+    y = rng.normal(size=(4 * N, 5)).astype(np.float32)
+
+    def loss_fn(p, batch):
+        xb, yb = batch
+        return jnp.mean((xb @ p["w"] + p["b"] - yb) ** 2)
+
+    mesh = jax.make_mesh((N,), ("dp",))
+    tx = jc.zero_one_adam(
+        0.01, axis_name="dp", var_freeze_step=6, var_update_scaler=1,
+        local_step_scaler=1, local_step_clipper=2,
+    )  # fmt: skip
+    step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
+    seen = set()
+    for t in range(1, 13):
+        bad = t == 4  # a variance update (t = 1, 2, 4 before the freeze), skipped
+        batch = (np.full_like(x, np.nan) if bad else x, y)
+        seen.add(tuple(step.phases(state, batch)))
+        before = jax.tree.map(np.asarray, state.opt_state)  # the step donates its state
+        state, _ = step(state, batch)
+        opt = state.opt_state
+        for k in params:
+            nu = np.asarray(opt.nu[k])
+            np.testing.assert_allclose(float(opt.nu_mean[k]), nu.mean(), rtol=1e-6, err_msg=k)
+            if bad:
+                np.testing.assert_array_equal(nu, before.nu[k])
+                assert float(opt.nu_mean[k]) == float(before.nu_mean[k])
+    assert int(state.opt_state.skips.total) == 1
+    assert {(0,), (1,), (2,), (3,), (4,)} <= seen  # every kind of step ran

@@ -92,8 +92,8 @@ def test_gpu_forms_run_on_cpu(gpu_forms):
 def test_optimizers_give_the_same_bits_with_the_gpu_forms(name, monkeypatch):
     # The programs compiled for a GPU keep a skipped step's state by selects and write
     # OneBit's input once: run on CPU, a schedule with non-finite steps (warm-up and
-    # compressed) gives the CPU forms' parameters and state bit for bit (1-bit Adam: to fp32
-    # rounding, see below).
+    # compressed) gives the CPU forms' parameters and state bit for bit (1-bit Adam and 1-bit
+    # LAMB: to fp32 rounding, see below).
     from tests.optim.test_optim_robustness import BUILDERS, poisoned
     from tests.optim.test_optimizers import grad_steps, run
 
@@ -117,9 +117,12 @@ def test_optimizers_give_the_same_bits_with_the_gpu_forms(name, monkeypatch):
         # around the decode, so the runs agree to fp32 rounding, not bit for bit, and a
         # momentum within rounding of zero may be sent with the other sign (the packed mean,
         # uint8, is checked against the momentum in tests/optim/test_onebit_adam_packed.py).
+        # 1-bit LAMB's warm-up on GPU computes the trust ratio's norms from the moments
+        # recomputed behind a barrier, and the step from the moments it writes: two fusions
+        # that may round the same expression differently, so again to fp32 rounding.
         if name == "onebit_adam" and a.dtype == np.uint8:
             continue
-        if name == "onebit_adam" and np.issubdtype(a.dtype, np.floating):
+        if name in ("onebit_adam", "onebit_lamb") and np.issubdtype(a.dtype, np.floating):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         else:
             np.testing.assert_array_equal(a, b)

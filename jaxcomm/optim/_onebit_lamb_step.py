@@ -13,6 +13,8 @@ import numpy as np
 import optax
 
 from jaxcomm.compressors import Compressor
+from jaxcomm.fusion import written_once
+from jaxcomm.guard import probes_finite
 from jaxcomm.optim._common import PyTree, compressed_mean_call, exact_mean, f32, norm, unzip
 from jaxcomm.optim._moments import damped_denominator, ema
 
@@ -103,32 +105,59 @@ def lamb_leaf(s: LambStep, m, v, p, damped: bool = False):
     return prelim, prelim + s.wd * p, denom
 
 
-def trust_ratio(p: jax.Array, update: jax.Array, min_coeff, max_coeff) -> jax.Array:
-    """``clip(||p|| / ||update||, min_coeff, max_coeff)``, 1 if either norm is 0."""
+def trust_ratio(p: jax.Array, update: jax.Array, min_coeff, max_coeff):
+    """``(clip(||p|| / ||update||, min_coeff, max_coeff), ||update||)``, the ratio 1 if either
+    norm is 0."""
     w_norm, u_norm = norm(p), norm(update)
     ratio = jnp.clip(w_norm / jnp.where(u_norm > 0, u_norm, 1), min_coeff, max_coeff)
-    return jnp.where((w_norm > 0) & (u_norm > 0), ratio, 1.0).astype(jnp.float32)
+    return jnp.where((w_norm > 0) & (u_norm > 0), ratio, 1.0).astype(jnp.float32), u_norm
 
 
 def warm_up(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm):
     """The warm-up phase, ``t <= freeze_step``: LAMB on the exact mean gradient and the trust
     ratios' average ``coeff_freeze`` (``v_fresh`` is not read or written: the first compressed
-    step starts it from the frozen ``v``). Returns the new moments and coefficients, then each
-    leaf's ``scaled(c) u``."""
+    step starts it from the frozen ``v``). Returns the new moments and coefficients, each
+    leaf's ``scaled(c) u``, and whether the new moments and the step are finite (see
+    :func:`step_finite`)."""
     cfg = s.config
     g = exact_mean(g, cfg.axis_name, cfg.bucket_bytes)
+    # The trust ratio's pass computes the moments and the update from the step's inputs
+    # behind a barrier (on GPU), and writes nothing; the writing pass computes them again.
+    # Else XLA:GPU writes the update for the norms and reads it back (3 passes more).
+    mu_, nu_, p_ = written_once(mu, nu, s.params)
     mu, nu = ema(mu, g, s.b1), ema(nu, g, s.b2, 2)
 
-    def leaf(m, v, p, cf):
-        _, update, _ = lamb_leaf(s, m, v, p)
-        coeff = trust_ratio(p, update, cfg.min_coeff, cfg.max_coeff)
+    def leaf(m, v, p, m_, v_, p_, g, cf):
+        v_ = ema(v_, g, s.b2, 2)
+        _, update_, _ = lamb_leaf(s, ema(m_, g, s.b1), v_, p_)
+        coeff, u_norm = trust_ratio(p_, update_, cfg.min_coeff, cfg.max_coeff)
         avg = cfg.coeff_beta * cf + (1 - cfg.coeff_beta) * coeff
         cf = jnp.where(coeff != 1.0, avg, cf).astype(jnp.float32)
-        return s.scaled(coeff) * update, cf
+        _, update, _ = lamb_leaf(s, m, v, p)
+        return s.scaled(coeff) * update, cf, step_finite(u_norm, v_)
 
-    out = jax.tree.map(leaf, mu, nu, s.params, coeff_freeze)
-    delta, coeff_freeze = unzip(out, mu)
-    return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta
+    out = jax.tree.map(leaf, mu, nu, s.params, mu_, nu_, p_, g, coeff_freeze)
+    delta, coeff_freeze, finite = unzip(out, mu, 3)
+    finite = all_of(finite)
+    return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, finite
+
+
+def step_finite(update_norm: jax.Array, variance: jax.Array) -> jax.Array:
+    """Whether one leaf's new moments and step are finite, from what the step computes anyway
+    (no pass of its own): the norm of its update ``u`` (non-finite wherever ``m`` is, the
+    denominator being finite and positive, and the step is ``c u`` with a finite ``c``), and
+    the variance it divides by (an Inf there would make ``u`` zero, not non-finite), probed
+    exactly (:func:`~jaxcomm.guard.probes_finite`). The norm is ``sqrt(sum(u^2))``: an update
+    whose squares overflow fp32 (entries above ~1e19 / sqrt(size)) counts as not finite."""
+    return jnp.isfinite(update_norm) & probes_finite([variance])
+
+
+def all_of(flags: PyTree) -> jax.Array:
+    """The conjunction of a tree of bool scalars (true for an empty tree)."""
+    out = jnp.ones([], jnp.bool_)
+    for flag in jax.tree.leaves(flags):
+        out = out & flag
+    return out
 
 
 def onebit_momentum(s: LambStep, g, mu, nu, scaling, comm):
@@ -160,7 +189,7 @@ def onebit_momentum(s: LambStep, g, mu, nu, scaling, comm):
 def correction_factor(s: LambStep, prelim, update, denom, vf, last) -> jax.Array:
     """One leaf's correction factor of the frozen trust ratio (the rule in
     ``jc.scale_by_onebit_lamb``), from ``prelim = m_hat / denom``, the update ``u``, the frozen
-    denominator, the fresh variance and the previous factor."""
+    denominator, the fresh variance and the previous factor; and ``||u||``."""
     cfg = s.config
     u_norm = norm(update)
     # The fresh denominator is damped like the frozen one: a coordinate with no gradient has
@@ -175,7 +204,7 @@ def correction_factor(s: LambStep, prelim, update, denom, vf, last) -> jax.Array
     factor = jnp.where(s.wd > 0, factor * ratio + (1 - ratio), factor)
     factor = jnp.maximum(jnp.minimum(factor, cfg.factor_max), cfg.factor_min)
     factor = jnp.minimum(factor, last * (1 + cfg.factor_threshold))
-    return jnp.maximum(factor, last * (1 - cfg.factor_threshold)).astype(jnp.float32)
+    return jnp.maximum(factor, last * (1 - cfg.factor_threshold)).astype(jnp.float32), u_norm
 
 
 def compressed(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm):
@@ -192,12 +221,14 @@ def compressed(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scal
         vf = jnp.where(first, v, vf)  # read with v, which the step reads anyway
         vf = s.b2 * vf + (1 - s.b2) * jnp.square(g_rec)
         prelim, update, denom = lamb_leaf(s, m, v, p, damped=True)
-        factor = correction_factor(s, prelim, update, denom, vf, last)
-        return (vf, factor, s.scaled(cf * factor) * update)
+        factor, u_norm = correction_factor(s, prelim, update, denom, vf, last)
+        # The factor is finite where v_fresh is (its denominator is then finite, > 0).
+        return (vf, factor, s.scaled(cf * factor) * update, step_finite(u_norm, vf))
 
     out = jax.tree.map(leaf, mu, m_prev, nu, nu_fresh, s.params, coeff_freeze, last_factor)
-    nu_fresh, last_factor, delta = unzip(out, mu, 3)
-    return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta
+    nu_fresh, last_factor, delta, finite = unzip(out, mu, 4)
+    finite = all_of(finite)
+    return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, finite
 
 
 def scaling_coefficients(mu: PyTree) -> PyTree:

@@ -48,7 +48,7 @@ from jaxcomm.optim._onebit_lamb_step import (
     step_constants,
     warm_up,
 )
-from jaxcomm.optim._skip import all_finite, count_skips, keep_error_feedback, zeros_unless
+from jaxcomm.optim._skip import count_skips, keep_error_feedback, zeros_unless
 from jaxcomm.optim.schedule import phase, phase_cond, steady_below
 
 
@@ -243,7 +243,9 @@ def onebit_lamb(
     eps`` of the correction factor: a coordinate that never gets a gradient has ``v_fresh ~ 0``
     too, so the elementwise maximum would sit at ``floor / eps`` and pin the factor at
     ``factor_max``. A non-finite step is skipped (state kept, ``state.skips``
-    count it; more than ``max_consecutive_skips`` in a row raise).
+    count it; more than ``max_consecutive_skips`` in a row raise): one whose update or
+    variance is not finite (a NaN or Inf gradient on any device, or a finite one whose square
+    overflows fp32), or whose update's norm is not (entries above ~1e19 / sqrt(size)).
 
     Options, off by default because they did not help on that task: ``bias_correction`` (``m /
     (1 - b1^t)``, ``v / (1 - b2^min(t, freeze_step))``, ``v_fresh / (1 - b2^t)``; LAMB's trust
@@ -439,19 +441,14 @@ def lamb_update(config: LambConfig, scale, updates, state: OneBitLambState, para
     args += (state.last_factor, state.scaling_coeff, state.comm)
     freeze = config.freeze_step
     warm = phase(state.count < freeze, steady=steady_below(state.count, freeze))
-    mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta = phase_cond(
+    mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, ok = phase_cond(
         warm, partial(warm_up, s), partial(compressed, s), *args
     )
     # A non-finite step (NaN/Inf in any device's gradient reaches the mean) is skipped:
     # moments, coefficients and factors stay, the collectives' guard kept the error feedback.
-    # A phase-specialised step probes only what it changed (the state it passes through, a
-    # warm-up's nu_fresh or a compressed step's frozen nu, is finite).
-    if warm is True:
-        ok = all_finite(mu, nu, delta)
-    elif warm is False:
-        ok = all_finite(mu, nu_fresh, delta)
-    else:
-        ok = all_finite(mu, nu, nu_fresh, delta)
+    # The phase's own probe covers what it changed (the update and the variance it divides
+    # by; the state it passes through, a warm-up's nu_fresh or a compressed step's frozen nu,
+    # is finite), replicated like them.
     skips = count_skips(ok, state.skips, config.max_consecutive_skips, "onebit_lamb")
     candidate = OneBitLambState(
         count=s.t,

@@ -122,6 +122,20 @@ def test_nonfinite_steps_are_skipped_exactly(name, phased):
     assert skip_counters(state.opt_state) == (0, 5)
 
 
+@pytest.mark.parametrize("phased", [False, True])
+def test_onebit_lamb_skips_a_finite_gradient_whose_square_overflows(phased):
+    # 1e22 on one device: the mean (1.25e21) is finite, its square is not, so v would hold an
+    # Inf (where the update is then 0, not non-finite): the step's probe of v skips it.
+    clean = grad_steps(7, seed=21)
+    steps = clean[:2] + [poisoned(clean[2], 1e22)] + clean[2:5] + [poisoned(clean[5], 1e22)]
+    steps += clean[5:]
+    want, _ = run_shared("onebit_lamb", clean, phased=phased)
+    got, state = run_shared("onebit_lamb", steps, phased=phased)
+    for k in SHAPES:
+        np.testing.assert_array_equal(got[-1][k], want[-1][k], err_msg=k)
+    assert skip_counters(state.opt_state) == (0, 2)
+
+
 def test_phased_onebit_adam_skips_its_first_compressed_step_exactly():
     # The first compressed step moves the moments into the step's space; skipped, the momentum
     # the collective falls back to is still Adam's (and state.preconditioned stays False).

@@ -62,14 +62,20 @@ class LambStep:
     c2_fresh: jax.Array
     params: PyTree  # fp32
     scale: jax.Array | None  # multiplied into each leaf's trust ratio (-lr), or None
+    # The first compressed update (t = freeze_step + 1): a Python bool in a phase-specialised
+    # step (the others then skip the switch's work: the scaling coefficients' norms).
+    first: jax.Array | bool
 
     def scaled(self, coeff: jax.Array) -> jax.Array:
         """The leaf's factor of ``u``: ``scale * coeff`` (``coeff`` without a scale)."""
         return coeff if self.scale is None else self.scale * coeff
 
 
-def step_constants(config: LambConfig, count: jax.Array, params: PyTree, scale) -> LambStep:
-    """The :class:`LambStep` of the update after ``count`` updates."""
+def step_constants(
+    config: LambConfig, count: jax.Array, params: PyTree, scale, first: jax.Array | bool
+) -> LambStep:
+    """The :class:`LambStep` of the update after ``count`` updates (``first``: it is the first
+    compressed one)."""
     b1, b2, eps = (jnp.asarray(x, jnp.float32) for x in (config.b1, config.b2, config.eps))
     t = optax.safe_increment(count)
     one = jnp.ones([], jnp.float32)
@@ -88,6 +94,7 @@ def step_constants(config: LambConfig, count: jax.Array, params: PyTree, scale) 
         c2_fresh=1 - b2**tf if corrected else one,
         params=f32(params),
         scale=scale,
+        first=first,
     )
 
 
@@ -176,11 +183,10 @@ def onebit_momentum(s: LambStep, g, mu, nu, scaling, comm):
             local, comm, cfg.axis_name, cfg.compressor, cfg.bucket_bytes
         )
         return jax.tree.map(lambda a, d: a * d, avg, denom), scaling, comm
-    scaling = jax.tree.map(
-        lambda new, old: jnp.where(s.t == cfg.freeze_step + 1, new, old),
-        scaling_coefficients(mu),
-        scaling,
-    )
+    if s.first is not False:  # set at the switch, then kept
+        scaling = jax.tree.map(
+            lambda new, old: jnp.where(s.first, new, old), scaling_coefficients(mu), scaling
+        )
     local = jax.tree.map(lambda m, x, c: (b1 * m + (1 - b1) * x) * c, mu, g, scaling)
     avg, comm = compressed_mean_call(local, comm, cfg.axis_name, cfg.compressor, cfg.bucket_bytes)
     return jax.tree.map(lambda a, c: a / c, avg, scaling), scaling, comm
@@ -214,7 +220,7 @@ def compressed(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scal
     m_prev = mu
     mu, scaling, comm = onebit_momentum(s, g, m_prev, nu, scaling, comm)
 
-    first = s.t == s.config.freeze_step + 1  # v_fresh starts from v, frozen at freeze_step
+    first = s.first  # v_fresh starts from v, frozen at freeze_step
 
     def leaf(m, m_last, v, vf, p, cf, last):
         g_rec = (m - s.b1 * m_last) / (1 - s.b1)

@@ -14,7 +14,6 @@ import optax
 
 from jaxcomm.compressors import Compressor
 from jaxcomm.fusion import written_once
-from jaxcomm.guard import probes_finite
 from jaxcomm.optim._common import PyTree, compressed_mean_call, exact_mean, f32, norm, unzip
 from jaxcomm.optim._moments import damped_denominator, ema
 
@@ -65,6 +64,7 @@ class LambStep:
     # The first compressed update (t = freeze_step + 1): a Python bool in a phase-specialised
     # step (the others then skip the switch's work: the scaling coefficients' norms).
     first: jax.Array | bool
+    nu_means: PyTree  # each leaf's mean of the state's nu (taken when the warm-up wrote it)
 
     def scaled(self, coeff: jax.Array) -> jax.Array:
         """The leaf's factor of ``u``: ``scale * coeff`` (``coeff`` without a scale)."""
@@ -72,10 +72,15 @@ class LambStep:
 
 
 def step_constants(
-    config: LambConfig, count: jax.Array, params: PyTree, scale, first: jax.Array | bool
+    config: LambConfig,
+    count: jax.Array,
+    params: PyTree,
+    scale,
+    first: jax.Array | bool,
+    nu_means: PyTree,
 ) -> LambStep:
     """The :class:`LambStep` of the update after ``count`` updates (``first``: it is the first
-    compressed one)."""
+    compressed one; ``nu_means``: the state's)."""
     b1, b2, eps = (jnp.asarray(x, jnp.float32) for x in (config.b1, config.b2, config.eps))
     t = optax.safe_increment(count)
     one = jnp.ones([], jnp.float32)
@@ -95,19 +100,24 @@ def step_constants(
         params=f32(params),
         scale=scale,
         first=first,
+        nu_means=nu_means,
     )
 
 
-def denominator(s: LambStep, v: jax.Array, damped: bool = False) -> jax.Array:
-    """``sqrt(v_hat) + eps``; ``damped``: the frozen variance's, floored (``variance_floor``)."""
+def denominator(
+    s: LambStep, v: jax.Array, damped: bool = False, v_mean: jax.Array | None = None
+) -> jax.Array:
+    """``sqrt(v_hat) + eps``; ``damped``: the frozen variance's, floored (``variance_floor``),
+    its leaf mean ``v_mean`` when known (no pass over ``v`` for it)."""
     if damped:
-        return damped_denominator(v / s.c2, s.eps, s.config.floor)
+        mean = None if v_mean is None else v_mean / s.c2
+        return damped_denominator(v / s.c2, s.eps, s.config.floor, mean=mean)
     return jnp.sqrt(v / s.c2) + s.eps
 
 
-def lamb_leaf(s: LambStep, m, v, p, damped: bool = False):
+def lamb_leaf(s: LambStep, m, v, p, damped: bool = False, v_mean: jax.Array | None = None):
     """``(m_hat / (sqrt(v_hat) + eps), the same plus wd p, sqrt(v_hat) + eps)`` of one leaf."""
-    denom = denominator(s, v, damped)
+    denom = denominator(s, v, damped, v_mean)
     prelim = (m / s.c1) / denom
     return prelim, prelim + s.wd * p, denom
 
@@ -120,12 +130,13 @@ def trust_ratio(p: jax.Array, update: jax.Array, min_coeff, max_coeff):
     return jnp.where((w_norm > 0) & (u_norm > 0), ratio, 1.0).astype(jnp.float32), u_norm
 
 
-def warm_up(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm):
+def warm_up(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, nu_mean):
     """The warm-up phase, ``t <= freeze_step``: LAMB on the exact mean gradient and the trust
     ratios' average ``coeff_freeze`` (``v_fresh`` is not read or written: the first compressed
     step starts it from the frozen ``v``). Returns the new moments and coefficients, each
-    leaf's ``scaled(c) u``, and whether the new moments and the step are finite (see
-    :func:`step_finite`)."""
+    leaf's ``scaled(c) u``, whether the new moments and the step are finite (see
+    :func:`step_finite`), and each leaf's mean of the new ``v`` (the compressed steps' damped
+    denominators read it)."""
     cfg = s.config
     g = exact_mean(g, cfg.axis_name, cfg.bucket_bytes)
     # The trust ratio's pass computes the moments and the update from the step's inputs
@@ -141,22 +152,30 @@ def warm_up(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling
         avg = cfg.coeff_beta * cf + (1 - cfg.coeff_beta) * coeff
         cf = jnp.where(coeff != 1.0, avg, cf).astype(jnp.float32)
         _, update, _ = lamb_leaf(s, m, v, p)
-        return s.scaled(coeff) * update, cf, step_finite(u_norm, v_)
+        v_mean = leaf_mean(v_)
+        return s.scaled(coeff) * update, cf, step_finite(u_norm, v_mean), v_mean
 
     out = jax.tree.map(leaf, mu, nu, s.params, mu_, nu_, p_, g, coeff_freeze)
-    delta, coeff_freeze, finite = unzip(out, mu, 3)
+    delta, coeff_freeze, finite, nu_mean = unzip(out, mu, 4)
     finite = all_of(finite)
-    return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, finite
+    return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, finite, nu_mean
 
 
-def step_finite(update_norm: jax.Array, variance: jax.Array) -> jax.Array:
-    """Whether one leaf's new moments and step are finite, from what the step computes anyway
-    (no pass of its own): the norm of its update ``u`` (non-finite wherever ``m`` is, the
-    denominator being finite and positive, and the step is ``c u`` with a finite ``c``), and
-    the variance it divides by (an Inf there would make ``u`` zero, not non-finite), probed
-    exactly (:func:`~jaxcomm.guard.probes_finite`). The norm is ``sqrt(sum(u^2))``: an update
-    whose squares overflow fp32 (entries above ~1e19 / sqrt(size)) counts as not finite."""
-    return jnp.isfinite(update_norm) & probes_finite([variance])
+def leaf_mean(v: jax.Array) -> jax.Array:
+    """``mean(v)`` in fp32 (0 for an empty leaf, whose denominator never reads it)."""
+    return jnp.mean(v) if v.size else jnp.zeros([], jnp.float32)
+
+
+def step_finite(update_norm: jax.Array, variance_mean: jax.Array) -> jax.Array:
+    """Whether one leaf's new moments and step are finite, from two scalars the step computes
+    anyway (no pass of its own): the norm of its update ``u`` (non-finite wherever ``m`` is,
+    the denominator being finite and positive, and the step is ``c u`` with a finite ``c``),
+    and the mean of the variance it divides by (an Inf there would make ``u`` zero, not
+    non-finite; the mean is what the floored denominators read). Both are sums: an update
+    whose squares overflow fp32 (entries above ~1e19 / sqrt(size)), or a variance whose sum
+    does (a mean above ~3e38 / size, which would make every floored denominator infinite),
+    counts as not finite."""
+    return jnp.isfinite(update_norm) & jnp.isfinite(variance_mean)
 
 
 def all_of(flags: PyTree) -> jax.Array:
@@ -177,7 +196,7 @@ def onebit_momentum(s: LambStep, g, mu, nu, scaling, comm):
     """
     cfg, b1 = s.config, s.b1
     if cfg.precondition:
-        denom = jax.tree.map(lambda v: denominator(s, v, damped=True), nu)
+        denom = jax.tree.map(lambda v, vm: denominator(s, v, True, vm), nu, s.nu_means)
         local = jax.tree.map(lambda m, x, d: (b1 * m + (1 - b1) * x) / d, mu, g, denom)
         avg, comm = compressed_mean_call(
             local, comm, cfg.axis_name, cfg.compressor, cfg.bucket_bytes
@@ -213,28 +232,28 @@ def correction_factor(s: LambStep, prelim, update, denom, vf, last) -> jax.Array
     return jnp.maximum(factor, last * (1 - cfg.factor_threshold)).astype(jnp.float32), u_norm
 
 
-def compressed(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm):
+def compressed(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, nu_mean):
     """The compressed phase, ``t > freeze_step``: the 1-bit momentum (:func:`onebit_momentum`),
     the fresh variance of the gradient it implies, and each leaf's ``scaled(coeff_freeze f) u``
-    (:func:`correction_factor`)."""
+    (:func:`correction_factor`); the frozen ``v``'s means are the warm-up's."""
     m_prev = mu
     mu, scaling, comm = onebit_momentum(s, g, m_prev, nu, scaling, comm)
 
     first = s.first  # v_fresh starts from v, frozen at freeze_step
 
-    def leaf(m, m_last, v, vf, p, cf, last):
+    def leaf(m, m_last, v, vm, vf, p, cf, last):
         g_rec = (m - s.b1 * m_last) / (1 - s.b1)
         vf = jnp.where(first, v, vf)  # read with v, which the step reads anyway
         vf = s.b2 * vf + (1 - s.b2) * jnp.square(g_rec)
-        prelim, update, denom = lamb_leaf(s, m, v, p, damped=True)
+        prelim, update, denom = lamb_leaf(s, m, v, p, damped=True, v_mean=vm)
         factor, u_norm = correction_factor(s, prelim, update, denom, vf, last)
         # The factor is finite where v_fresh is (its denominator is then finite, > 0).
-        return (vf, factor, s.scaled(cf * factor) * update, step_finite(u_norm, vf))
+        return (vf, factor, s.scaled(cf * factor) * update, step_finite(u_norm, leaf_mean(vf)))
 
-    out = jax.tree.map(leaf, mu, m_prev, nu, nu_fresh, s.params, coeff_freeze, last_factor)
+    out = jax.tree.map(leaf, mu, m_prev, nu, nu_mean, nu_fresh, s.params, coeff_freeze, last_factor)
     nu_fresh, last_factor, delta, finite = unzip(out, mu, 4)
     finite = all_of(finite)
-    return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, finite
+    return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, finite, nu_mean
 
 
 def scaling_coefficients(mu: PyTree) -> PyTree:

@@ -71,6 +71,9 @@ class OneBitLambState(NamedTuple):
       comm: error feedback of the 1-bit momentum all-reduce (per-device ``jc.ReduceState``).
       skips: the updates skipped because they were not finite, in a row and in all
         (:class:`~jaxcomm.guard.SkipCounters`).
+      nu_mean: per leaf, an fp32 scalar: the mean of ``nu``, taken by the warm-up updates that
+        write ``nu``; the compressed updates' damped denominators (``variance_floor``) read it
+        instead of a pass over the frozen ``nu``.
     """
 
     count: jax.Array
@@ -82,6 +85,7 @@ class OneBitLambState(NamedTuple):
     scaling_coeff: PyTree
     comm: ReduceState
     skips: SkipCounters
+    nu_mean: PyTree
 
 
 def scale_by_onebit_lamb(
@@ -245,7 +249,8 @@ def onebit_lamb(
     ``factor_max``. A non-finite step is skipped (state kept, ``state.skips``
     count it; more than ``max_consecutive_skips`` in a row raise): one whose update or
     variance is not finite (a NaN or Inf gradient on any device, or a finite one whose square
-    overflows fp32), or whose update's norm is not (entries above ~1e19 / sqrt(size)).
+    overflows fp32), or whose sums overflow (the update's squares, entries above ~1e19 /
+    sqrt(size); the variance's, a mean above ~3e38 / size).
 
     Options, off by default because they did not help on that task: ``bias_correction`` (``m /
     (1 - b1^t)``, ``v / (1 - b2^min(t, freeze_step))``, ``v_fresh / (1 - b2^t)``; LAMB's trust
@@ -423,6 +428,7 @@ def lamb_init(config: LambConfig, params: PyTree) -> OneBitLambState:
         scaling_coeff=scalars(1.0),
         comm=comm,
         skips=SkipCounters.zeros(),
+        nu_mean=scalars(0.0),
     )
 
 
@@ -449,11 +455,11 @@ def lamb_update(config: LambConfig, scale, updates, state: OneBitLambState, para
             "update(grads, state, params)"
         )
     stage = lamb_stage(state.count, config.freeze_step)
-    s = step_constants(config, state.count, params, scale, first=stage == 1)
+    s = step_constants(config, state.count, params, scale, stage == 1, state.nu_mean)
     args = (f32(updates), state.mu, state.nu, state.nu_fresh, state.coeff_freeze)
-    args += (state.last_factor, state.scaling_coeff, state.comm)
+    args += (state.last_factor, state.scaling_coeff, state.comm, state.nu_mean)
     warm = stage == 0
-    mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, ok = phase_cond(
+    mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, ok, nu_mean = phase_cond(
         warm, partial(warm_up, s), partial(compressed, s), *args
     )
     # A non-finite step (NaN/Inf in any device's gradient reaches the mean) is skipped:
@@ -472,6 +478,7 @@ def lamb_update(config: LambConfig, scale, updates, state: OneBitLambState, para
         scaling_coeff=scaling,
         comm=comm,
         skips=skips,
+        nu_mean=nu_mean,
     )
     comm = keep_error_feedback(
         ok, comm, state.comm, state.mu, config.compressor, config.bucket_bytes

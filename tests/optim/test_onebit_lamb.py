@@ -267,3 +267,26 @@ def test_onebit_lamb_is_scale_by_onebit_lamb_then_the_learning_rate(options):
     for t, ((u_a, p_a, s_a), (u_c, p_c, s_c)) in enumerate(zip(want, got, strict=True)):
         assert_bitwise_equal((u_c, p_c, s_c[0]), (u_a, p_a, s_a), f"step {t}")
     assert int(s_a.count) == 7 and not np.array_equal(flat(p_a), flat(init_params()))
+
+
+def test_onebit_lamb_keeps_the_mean_of_its_frozen_variance():
+    """``state.nu_mean`` (what the compressed steps' floored denominators read instead of a
+    pass over the frozen ``nu``) is each leaf's mean of ``nu`` after every step: taken by the
+    warm-up updates, kept by a skipped one (a NaN gradient) and by the compressed ones."""
+    mesh = jax.make_mesh((N,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = jc.onebit_lamb(0.01, freeze_step=FREEZE, axis_name="dp")
+    step, state = jc.make_train_step(mesh, "dp", linear_loss, tx, init_params())
+    steps = grad_steps(GRAD_SCALE[:7])
+    bad = {k: g.copy() for k, g in steps[1].items()}
+    bad["a"][3, 0, 0] = np.nan
+    for t, grads in enumerate(steps[:1] + [bad] + steps[1:]):
+        before = jax.tree.map(np.asarray, state.opt_state)  # the step donates its state
+        state, _ = step(state, grads)
+        opt = state.opt_state
+        for k in SHAPES:
+            nu = np.asarray(opt.nu[k])
+            np.testing.assert_allclose(float(opt.nu_mean[k]), nu.mean(), rtol=1e-6, err_msg=k)
+            if t == 1:  # skipped: both kept
+                np.testing.assert_array_equal(nu, before.nu[k])
+                assert float(opt.nu_mean[k]) == float(before.nu_mean[k])
+    assert int(state.opt_state.skips.total) == 1 and int(state.opt_state.count) == 7

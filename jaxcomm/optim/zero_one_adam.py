@@ -285,20 +285,8 @@ def scale_by_zero_one_adam(
         )
         ok = on_every_device((True if covered else all_finite(g)) & mean_ok, axis_name)
         skips = count_skips(ok, state.skips, max_consecutive_skips, "zero_one_adam")
-        # The new variance first (kind 0 updates it from the exact mean; the denominators of
-        # this step read it), written over nu in place.
-        nu = jax.tree.map(
-            lambda v, x: jnp.where(ok & (kind == 0), ema(v, x, step.b2_var, 2), v),
-            state.nu,
-            mean,
-        )
-        # Its means: taken where it was updated (a phase that cannot update it reads the kept
-        # ones, no pass over nu).
-        nu_mean = state.nu_mean
-        if not isinstance(kind, int) or kind == 0:
-            nu_mean = jax.tree.map(
-                lambda v, old: jnp.where(ok & (kind == 0), leaf_mean(v), old), nu, nu_mean
-            )
+        # The new variance first (the denominators of this step read it).
+        nu, nu_mean = new_variance(kind, ok, state, mean, step.b2_var)
         lrs_sync = state.lrs + step.lr  # the learning rates summed over the local steps
         leaves = jax.tree.map(
             lambda g_, m, v, vm, a, x, p: step.apply_leaf(
@@ -339,6 +327,18 @@ def scale_by_zero_one_adam(
         return delta, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def new_variance(kind, ok, state: ZeroOneAdamState, mean: PyTree, b2_var) -> tuple:
+    """``(nu, nu_mean)`` after this step: kind 0 updates ``nu`` from the exact mean (written
+    over it in place) and takes its leaf means; the other kinds keep both (a phase-specialised
+    step that cannot update ``nu`` reads the kept means, no pass over ``nu``)."""
+    updates = ok & (kind == 0)
+    nu = jax.tree.map(lambda v, x: jnp.where(updates, ema(v, x, b2_var, 2), v), state.nu, mean)
+    if isinstance(kind, int) and kind != 0:
+        return nu, state.nu_mean
+    nu_mean = jax.tree.map(lambda v, old: jnp.where(updates, leaf_mean(v), old), nu, state.nu_mean)
+    return nu, nu_mean
 
 
 def leaf_mean(v: jax.Array) -> jax.Array:

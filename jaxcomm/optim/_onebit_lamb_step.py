@@ -122,7 +122,9 @@ def lamb_leaf(s: LambStep, m, v, p, damped: bool = False, v_mean: jax.Array | No
     return prelim, prelim + s.wd * p, denom
 
 
-def trust_ratio(p: jax.Array, update: jax.Array, min_coeff, max_coeff):
+def trust_ratio(
+    p: jax.Array, update: jax.Array, min_coeff, max_coeff
+) -> tuple[jax.Array, jax.Array]:
     """``(clip(||p|| / ||update||, min_coeff, max_coeff), ||update||)``, the ratio 1 if either
     norm is 0."""
     w_norm, u_norm = norm(p), norm(update)
@@ -211,7 +213,7 @@ def onebit_momentum(s: LambStep, g, mu, nu, scaling, comm):
     return jax.tree.map(lambda a, c: a / c, avg, scaling), scaling, comm
 
 
-def correction_factor(s: LambStep, prelim, update, denom, vf, last) -> jax.Array:
+def correction_factor(s: LambStep, prelim, update, denom, vf, last) -> tuple[jax.Array, jax.Array]:
     """One leaf's correction factor of the frozen trust ratio (the rule in
     ``jc.scale_by_onebit_lamb``), from ``prelim = m_hat / denom``, the update ``u``, the frozen
     denominator, the fresh variance and the previous factor; and ``||u||``."""

@@ -61,9 +61,7 @@ class LambStep:
     c2_fresh: jax.Array
     params: PyTree  # fp32
     scale: jax.Array | None  # multiplied into each leaf's trust ratio (-lr), or None
-    # The first compressed update (t = freeze_step + 1): a Python bool in a phase-specialised
-    # step (the others then skip the switch's work: the scaling coefficients' norms).
-    first: jax.Array | bool
+    first: jax.Array  # the first compressed update (t = freeze_step + 1)
     nu_means: PyTree  # each leaf's mean of the state's nu (taken when the warm-up wrote it)
 
     def scaled(self, coeff: jax.Array) -> jax.Array:
@@ -76,11 +74,10 @@ def step_constants(
     count: jax.Array,
     params: PyTree,
     scale,
-    first: jax.Array | bool,
     nu_means: PyTree,
 ) -> LambStep:
-    """The :class:`LambStep` of the update after ``count`` updates (``first``: it is the first
-    compressed one; ``nu_means``: the state's)."""
+    """The :class:`LambStep` of the update after ``count`` updates (``nu_means``: the
+    state's)."""
     b1, b2, eps = (jnp.asarray(x, jnp.float32) for x in (config.b1, config.b2, config.eps))
     t = optax.safe_increment(count)
     one = jnp.ones([], jnp.float32)
@@ -99,7 +96,7 @@ def step_constants(
         c2_fresh=1 - b2**tf if corrected else one,
         params=f32(params),
         scale=scale,
-        first=first,
+        first=t == config.freeze_step + 1,
         nu_means=nu_means,
     )
 
@@ -135,10 +132,12 @@ def trust_ratio(
 def warm_up(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, nu_mean):
     """The warm-up phase, ``t <= freeze_step``: LAMB on the exact mean gradient and the trust
     ratios' average ``coeff_freeze`` (``v_fresh`` is not read or written: the first compressed
-    step starts it from the frozen ``v``). Returns the new moments and coefficients, each
-    leaf's ``scaled(c) u``, whether the new moments and the step are finite (see
-    :func:`step_finite`), and each leaf's mean of the new ``v`` (the compressed steps' damped
-    denominators read it)."""
+    step starts it from the frozen ``v``). Returns the new moments and coefficients, the
+    scaling coefficients of the new momentum (:func:`scaling_coefficients`: the compressed
+    steps use the last warm-up's), each leaf's ``scaled(c) u``, whether the new moments and
+    the step are finite (see :func:`step_finite`), and each leaf's mean of the new ``v`` (the
+    compressed steps' damped denominators read it). The norms and means come out of the
+    trust ratio's pass."""
     cfg = s.config
     g = exact_mean(g, cfg.axis_name, cfg.bucket_bytes)
     # The trust ratio's pass computes the moments and the update from the step's inputs
@@ -148,18 +147,19 @@ def warm_up(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling
     mu, nu = ema(mu, g, s.b1), ema(nu, g, s.b2, 2)
 
     def leaf(m, v, p, m_, v_, p_, g, cf):
-        v_ = ema(v_, g, s.b2, 2)
-        _, update_, _ = lamb_leaf(s, ema(m_, g, s.b1), v_, p_)
+        v_, m_ = ema(v_, g, s.b2, 2), ema(m_, g, s.b1)
+        _, update_, _ = lamb_leaf(s, m_, v_, p_)
         coeff, u_norm = trust_ratio(p_, update_, cfg.min_coeff, cfg.max_coeff)
         avg = cfg.coeff_beta * cf + (1 - cfg.coeff_beta) * coeff
         cf = jnp.where(coeff != 1.0, avg, cf).astype(jnp.float32)
         _, update, _ = lamb_leaf(s, m, v, p)
         v_mean = leaf_mean(v_)
-        return s.scaled(coeff) * update, cf, step_finite(u_norm, v_mean), v_mean
+        return s.scaled(coeff) * update, cf, step_finite(u_norm, v_mean), v_mean, norm(m_)
 
     out = jax.tree.map(leaf, mu, nu, s.params, mu_, nu_, p_, g, coeff_freeze)
-    delta, coeff_freeze, finite, nu_mean = unzip(out, mu, 4)
+    delta, coeff_freeze, finite, nu_mean, m_norms = unzip(out, mu, 5)
     finite = all_of(finite)
+    scaling = scaling_coefficients(m_norms, mu)
     return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, finite, nu_mean
 
 
@@ -204,10 +204,7 @@ def onebit_momentum(s: LambStep, g, mu, nu, scaling, comm):
             local, comm, cfg.axis_name, cfg.compressor, cfg.bucket_bytes
         )
         return jax.tree.map(lambda a, d: a * d, avg, denom), scaling, comm
-    if s.first is not False:  # set at the switch, then kept
-        scaling = jax.tree.map(
-            lambda new, old: jnp.where(s.first, new, old), scaling_coefficients(mu), scaling
-        )
+    # scaling: the last warm-up update's, kept since.
     local = jax.tree.map(lambda m, x, c: (b1 * m + (1 - b1) * x) * c, mu, g, scaling)
     avg, comm = compressed_mean_call(local, comm, cfg.axis_name, cfg.compressor, cfg.bucket_bytes)
     return jax.tree.map(lambda a, c: a / c, avg, scaling), scaling, comm
@@ -258,13 +255,18 @@ def compressed(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scal
     return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, finite, nu_mean
 
 
-def scaling_coefficients(mu: PyTree) -> PyTree:
-    """1-bit LAMB's ``mean_q(s_q) / s_p`` with ``s_p = ||m_p|| / sqrt(numel_p)``, per leaf.
+def scaling_coefficients(norms: PyTree, mu: PyTree) -> PyTree:
+    """1-bit LAMB's ``mean_q(s_q) / s_p`` with ``s_p = ||m_p|| / sqrt(numel_p)``, per leaf, from
+    the momentum's leaf norms ``norms`` (structured like ``mu``).
 
     Empty leaves are left out of the mean; a leaf with ``s_p = 0`` (or an empty one) gets 1.
     """
     leaves, treedef = jax.tree.flatten(mu)
-    scales = [norm(m) / np.sqrt(m.size) if m.size else jnp.zeros([], jnp.float32) for m in leaves]
+    norms = jax.tree.leaves(norms)  # one scalar per leaf of mu, in its order
+    scales = [
+        n / np.sqrt(m.size) if m.size else jnp.zeros([], jnp.float32)
+        for n, m in zip(norms, leaves, strict=True)
+    ]
     counted = [s for s, m in zip(scales, leaves, strict=True) if m.size]
     united = sum(counted) / len(counted) if counted else jnp.zeros([], jnp.float32)
     coeffs = [

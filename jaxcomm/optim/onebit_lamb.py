@@ -49,7 +49,7 @@ from jaxcomm.optim._onebit_lamb_step import (
     warm_up,
 )
 from jaxcomm.optim._skip import count_skips, keep_error_feedback, zeros_unless
-from jaxcomm.optim.schedule import STEADY_FOREVER, phase, phase_cond
+from jaxcomm.optim.schedule import phase, phase_cond, steady_below
 
 
 class OneBitLambState(NamedTuple):
@@ -66,8 +66,9 @@ class OneBitLambState(NamedTuple):
       coeff_freeze: per leaf, an fp32 scalar: the EMA of the warm-up trust ratios
         (DeepSpeed's ``lamb_coeff_freeze``, starts at 0), frozen after ``freeze_step``.
       last_factor: per leaf, an fp32 scalar: the previous correction factor (starts at 1).
-      scaling_coeff: per leaf, an fp32 scalar: the momentum scaling coefficient, 1 until the
-        first compression update computes it.
+      scaling_coeff: per leaf, an fp32 scalar: the momentum scaling coefficient (1 at first),
+        taken by every warm-up update from its new momentum; the compressed updates use the
+        last one's (DeepSpeed's, computed at the switch from the same momentum).
       comm: error feedback of the 1-bit momentum all-reduce (per-device ``jc.ReduceState``).
       skips: the updates skipped because they were not finite, in a row and in all
         (:class:`~jaxcomm.guard.SkipCounters`).
@@ -432,18 +433,6 @@ def lamb_init(config: LambConfig, params: PyTree) -> OneBitLambState:
     )
 
 
-def lamb_stage(count: jax.Array, freeze) -> jax.Array | int:
-    """The :func:`~jaxcomm.optim.schedule.phase` of the update after ``count`` updates: 0 the
-    warm-up (``count < freeze_step``), 1 the first compressed update, 2 the later ones."""
-    count = jnp.asarray(count, jnp.int32)
-    value = jnp.where(count < freeze, 0, jnp.where(count == freeze, 1, 2)).astype(jnp.int32)
-    # Steps it holds for: the warm-up's rest, none at the switch, then for good.
-    steady = jnp.where(
-        count < freeze, freeze - 1 - count, jnp.where(count == freeze, 0, STEADY_FOREVER)
-    )
-    return phase(value, 3, steady=steady.astype(jnp.int32))
-
-
 def lamb_update(config: LambConfig, scale, updates, state: OneBitLambState, params=None):
     """One update: each leaf's ``scale c u`` (``c u`` when ``scale`` is ``None``), fp32, zero on
     a skipped step, and the new state. The phase (``warm_up`` or ``compressed``, of
@@ -454,11 +443,11 @@ def lamb_update(config: LambConfig, scale, updates, state: OneBitLambState, para
             "jaxcomm: onebit_lamb needs params for the trust ratio: call "
             "update(grads, state, params)"
         )
-    stage = lamb_stage(state.count, config.freeze_step)
-    s = step_constants(config, state.count, params, scale, stage == 1, state.nu_mean)
+    s = step_constants(config, state.count, params, scale, state.nu_mean)
     args = (f32(updates), state.mu, state.nu, state.nu_fresh, state.coeff_freeze)
     args += (state.last_factor, state.scaling_coeff, state.comm, state.nu_mean)
-    warm = stage == 0
+    freeze = config.freeze_step
+    warm = phase(state.count < freeze, steady=steady_below(state.count, freeze))
     mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, ok, nu_mean = phase_cond(
         warm, partial(warm_up, s), partial(compressed, s), *args
     )

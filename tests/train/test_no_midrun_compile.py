@@ -54,8 +54,8 @@ def loss_fn(params, batch):
 SCHEDULES = {
     # Warm-up (kind 0) for 3 steps, the first compressed step (1), then compressed (2).
     "onebit_adam": (lambda: jc.onebit_adam(LR, freeze_step=3, axis_name="dp"), 7, 3, False),
-    # Warm-up (0) for 3 steps, the first compressed step (1), then compressed (2).
-    "onebit_lamb": (lambda: jc.onebit_lamb(LR, freeze_step=3, axis_name="dp"), 7, 3, True),
+    # count < freeze_step: True for 3 steps, then False.
+    "onebit_lamb": (lambda: jc.onebit_lamb(LR, freeze_step=3, axis_name="dp"), 7, 2, True),
     # total_steps=120: variance refreshes every step, then every 2nd (kind 1 at step 17),
     # frozen after 18: the first sync (4) at step 19, then syncs (3) and local steps (2).
     "zero_one_adam": (lambda: jc.zero_one_adam(LR, axis_name="dp", total_steps=120), 28, 5, False),
@@ -125,16 +125,15 @@ def test_compile_all_before_the_first_batch(mesh):
     tx = jc.onebit_lamb(LR, freeze_step=2, axis_name="dp")
     step, state = jc.make_train_step(mesh, "dp", loss_fn, tx, params)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (x, y))
-    # Warm-up, the first compressed step, then the later ones.
-    assert step.compile_all(state, shapes) == [(0,), (1,), (2,)]
-    assert step.compile_count == 5  # the probe, the schedule's follower, three programs
+    assert step.compile_all(state, shapes) == [(1,), (0,)]  # warm-up, then compressed
+    assert step.compile_count == 4  # the probe, the schedule's follower, two programs
     with backend_compiles() as compiles:
         for _ in range(4):
             state, _ = step(state, (x, y))
         jax.block_until_ready(state)
-    assert compiles[0] == 0 and step.compile_count == 5
-    assert step.compile_all(state, shapes) == [(2,)]  # from here on: compressed only
-    assert step.compile_count == 6  # a new follower, no program
+    assert compiles[0] == 0 and step.compile_count == 4
+    assert step.compile_all(state, shapes) == [(0,)]  # from here on: compressed only
+    assert step.compile_count == 5  # a new follower, no program
 
 
 def test_steps_bounds_the_followed_schedule(mesh):

@@ -54,7 +54,7 @@ SCHEDULES = {
     ),
     "onebit_lamb": (
         lambda c: jc.onebit_lamb(LR, freeze_step=4, axis_name="dp", compressor=c),
-        {(0,), (1,), (2,)},  # warm-up, the first compressed step (the switch), after
+        {(0,), (1,)},
     ),
     "compressed_mean": (
         lambda c: optax.chain(jc.compressed_mean("dp", c, warmup_steps=3), optax.adam(LR)),

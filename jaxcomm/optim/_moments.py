@@ -29,6 +29,11 @@ def ema(moments: PyTree, values: PyTree, decay: jax.Array, order: int = 1) -> Py
 # Frozen variance: damping of (near) zero-variance coordinates.
 
 
+def leaf_mean(v: jax.Array) -> jax.Array:
+    """``mean(v)`` in fp32 (0 for an empty leaf, whose denominator never reads it)."""
+    return jnp.mean(v) if v.size else jnp.zeros([], jnp.float32)
+
+
 def damped_denominator(
     v: jax.Array,
     eps: jax.Array,

@@ -15,7 +15,7 @@ import optax
 from jaxcomm.compressors import Compressor
 from jaxcomm.fusion import written_once
 from jaxcomm.optim._common import PyTree, compressed_mean_call, exact_mean, f32, norm, unzip
-from jaxcomm.optim._moments import damped_denominator, ema
+from jaxcomm.optim._moments import damped_denominator, ema, leaf_mean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,11 +161,6 @@ def warm_up(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scaling
     finite = all_of(finite)
     scaling = scaling_coefficients(m_norms, mu)
     return mu, nu, nu_fresh, coeff_freeze, last_factor, scaling, comm, delta, finite, nu_mean
-
-
-def leaf_mean(v: jax.Array) -> jax.Array:
-    """``mean(v)`` in fp32 (0 for an empty leaf, whose denominator never reads it)."""
-    return jnp.mean(v) if v.size else jnp.zeros([], jnp.float32)
 
 
 def step_finite(update_norm: jax.Array, variance_mean: jax.Array) -> jax.Array:

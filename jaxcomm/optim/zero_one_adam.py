@@ -41,7 +41,7 @@ from jaxcomm.optim._common import (
     varying,
     zeros_f32,
 )
-from jaxcomm.optim._moments import ema
+from jaxcomm.optim._moments import ema, leaf_mean
 from jaxcomm.optim._skip import all_finite, count_skips, keep_error_feedback, on_every_device
 from jaxcomm.optim._zero_one_step import ZeroOneStep, intervals, step_kind
 
@@ -339,11 +339,6 @@ def new_variance(kind, ok, state: ZeroOneAdamState, mean: PyTree, b2_var) -> tup
         return nu, state.nu_mean
     nu_mean = jax.tree.map(lambda v, old: jnp.where(updates, leaf_mean(v), old), nu, state.nu_mean)
     return nu, nu_mean
-
-
-def leaf_mean(v: jax.Array) -> jax.Array:
-    """``mean(v)`` in fp32 (0 for an empty leaf, whose denominator never reads it)."""
-    return jnp.mean(v) if v.size else jnp.zeros([], jnp.float32)
 
 
 def zero_one_adam(

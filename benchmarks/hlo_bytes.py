@@ -25,8 +25,8 @@ layout says ``E(bits)``), and
   ``conditional``: the largest branch (the one branch that runs is not known statically);
   ``call`` and ``async-start``: the called computation (the wrapper itself free);
 - collectives: operands + outputs; an async pair (``all-reduce-start``/``-done``,
-  ``all-gather-*``, ``collective-permute-*``, ``copy-*``, ``async-done``) is counted once,
-  its operands at the start and its outputs at the done;
+  ``all-gather-*``, ``all-to-all-*``, ``collective-permute-*``, ``copy-*``, ``async-done``)
+  is counted once, its operands at the start and its outputs at the done;
 - ``custom-call`` (on GPU: cuBLAS/cuDNN): operands + outputs, without the ``s8`` scratch
   workspace that XLA:GPU appends to a gemm's output tuple;
 - every other instruction: operands + output.
@@ -56,10 +56,10 @@ POINTER = 8  # ByteSizeOf(tuple, pointer_size): the tuple's index table
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
         "add-dependency", "domain", "opt-barrier"}  # fmt: skip
-_STARTS = {"all-reduce-start", "all-gather-start", "collective-permute-start", "copy-start",
-           "send", "recv"}  # fmt: skip
-_DONES = {"all-reduce-done", "all-gather-done", "collective-permute-done", "copy-done",
-          "async-update", "async-done", "send-done", "recv-done"}  # fmt: skip
+_STARTS = {"all-reduce-start", "all-gather-start", "all-to-all-start", "collective-permute-start",
+           "copy-start", "send", "recv"}  # fmt: skip
+_DONES = {"all-reduce-done", "all-gather-done", "all-to-all-done", "collective-permute-done",
+          "copy-done", "async-update", "async-done", "send-done", "recv-done"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -226,7 +226,7 @@ def methods(
             lambda: jc.onebit_adam(lr, freeze_step=FREEZE_STEP, axis_name="dp", **kw),
             # The warm-up is exact Adam over an exact mean.
             {"warm-up": 1.15, "*": 1.5},
-            {(1,): "warm-up", (0,): "1-bit"},
+            {(0,): "warm-up", (1,): "first 1-bit", (2,): "1-bit"},
             warmup=FREEZE_STEP + 3, steady=("1-bit",),
         ),
         Method(

@@ -48,6 +48,17 @@ def test_every_phase_against_the_local_step(tmp_path):
         assert r["hlo_ratio"] == pytest.approx(r["hlo_bytes"] / rows["local", "step"]["hlo_bytes"])
 
 
+@pytest.mark.parametrize("name", ["onebit_adam", "onebit_lamb"])
+def test_every_phase_a_schedule_reaches_has_its_name(name):
+    """The rows are labelled by the phase values the schedule really runs, each named once."""
+    method = bytes_accessed.methods()[name]
+    mesh = jax.make_mesh((2,), ("dp",), devices=jax.devices()[:2])
+    seen = bytes_accessed.phases_of(method, mesh)
+    labels = [method.phase_label(values) for values in seen]
+    assert sorted(labels) == sorted(method.phase_names.values())
+    assert labels[0] == "warm-up" and labels[-1] == "1-bit"  # in the order a run meets them
+
+
 def test_hlo_count_of_a_fused_elementwise_function_is_its_three_arrays():
     x = jax.ShapeDtypeStruct((1024,), jnp.float32)
     compiled = jax.jit(lambda a, b: a * 2 + b).lower(x, x).compile()
@@ -130,3 +141,25 @@ def test_hlo_count_against_cost_analysis(tmp_path):
         assert r["hlo_bytes_mirror"] == pytest.approx(r["bytes"], rel=1e-5)
         assert r["hlo_bytes"] == pytest.approx(r["bytes"], rel=1e-2)
         assert r["hlo_ratio"] == pytest.approx(r["hlo_bytes"] / rows[0]["hlo_bytes"])
+
+
+# Async collectives as XLA:GPU schedules them: each start returns (operands, output buffer),
+# each done the output.
+ASYNC_COLLECTIVES = """HloModule pairs, is_scheduled=true
+
+ENTRY %main (x: s8[8,256], y: f32[1,64]) -> (s8[8,256], f32[8,64]) {
+  %x = s8[8,256]{1,0} parameter(0)
+  %y = f32[1,64]{1,0} parameter(1)
+  %a2a-start = ((s8[8,256]{1,0}), s8[8,256]{1,0}) all-to-all-start(%x), dimensions={0}
+  %a2a-done = s8[8,256]{1,0} all-to-all-done(%a2a-start)
+  %ag-start = (f32[1,64]{1,0}, f32[8,64]{1,0}) all-gather-start(%y), dimensions={0}
+  %ag-done = f32[8,64]{1,0} all-gather-done(%ag-start)
+  ROOT %out = (s8[8,256]{1,0}, f32[8,64]{1,0}) tuple(%a2a-done, %ag-done)
+}
+"""
+
+
+def test_hlo_count_of_an_async_collective_pair_is_its_operand_and_output():
+    all_to_all = 8 * 256 + 8 * 256  # the codes sent, the codes received
+    all_gather = 4 * 64 + 4 * 8 * 64  # this device's block, the gathered blocks
+    assert hlo_bytes.hlo_bytes_accessed(ASYNC_COLLECTIVES) == all_to_all + all_gather

@@ -28,6 +28,10 @@ of the ratio are the HLO count. Every optimizer keeps its default arguments ther
     python benchmarks/bytes_accessed.py [--model mlp|gpt] [--devices 2,8] [--json OUT]
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 .venv/cuda/bin/python benchmarks/bytes_accessed.py \
         --platform h100 --json benchmarks/results/bytes_accessed_h100.json
+
+``--unguarded-residuals`` compiles the staged codecs with their new residuals written
+unconditionally instead of kept on a skipped step: not a usable step (a NaN would poison the
+error feedback), only the measure of what the exact skip costs.
 """
 
 from __future__ import annotations
@@ -192,6 +196,12 @@ def measure(args) -> dict:
     table = methods(zero_one_total_steps=ZERO_ONE_TOTAL_STEPS, skips=skips)
     names = args.methods.split(",") if args.methods else list(table)
     report = provenance(desc, plat, skips)
+    if getattr(args, "unguarded_residuals", False):  # not the library's step: see --help
+        report["unguarded_residuals"] = True
+        report["note"] = (
+            "Residuals written unconditionally (--unguarded-residuals): what the exact skip "
+            "costs, not a usable step. " + report["note"]
+        )
     rows: list[dict] = report["rows"]
     devices, first = devices_for(plat)
 
@@ -382,8 +392,19 @@ def main(argv=None) -> int:
         f"analysis; h100: compile for {H100_TOPOLOGY} without a GPU (needs "
         "jax[cuda12]) and count the HLO (benchmarks/hlo_bytes.py)",
     )
+    p.add_argument(
+        "--unguarded-residuals",
+        action="store_true",
+        help="what the exact skip costs: the staged codecs write their new residuals "
+        "unconditionally (jaxcomm.compressors.staged.settle replaced; a NaN would poison "
+        "them), for comparison only",
+    )
     p.add_argument("--json", metavar="OUT", default=None)
     args = p.parse_args(argv)
+    if args.unguarded_residuals:
+        import jaxcomm.compressors.staged as staged
+
+        staged.settle = lambda codec, finite, received_ok, new, old: new
     model, *_ = model_of(args)
     print(f"model: {model}; platform {args.platform}, jax {jax.__version__}")
     print(HEAD)

@@ -7,7 +7,8 @@ layer above this one:
 
 * :func:`probes_finite`, the one finiteness test: exact (finite values whose sum would
   overflow are finite), one fused float reduction.
-* :func:`keep_if`, the one keep-or-skip: the new tree where the verdict is true, else the old.
+* :func:`keep_if`, the one keep-or-skip: the new tree where the verdict is true, else the old;
+  :func:`all_of`, the verdicts of several parts as one.
 * :class:`SkipCounters`, carried by every optimizer state: the steps skipped in a row
   (bounded by the optimizers' ``max_consecutive_skips``) and in all.
 * :func:`skip_caps_on_host`: where that bound is checked. In the program by default (a
@@ -54,6 +55,15 @@ def probes_finite(probes: Iterable[Any]) -> jax.Array:
         if jnp.size(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
             total = total + jnp.sum(x - x, dtype=jnp.float32)
     return jnp.isfinite(total)
+
+
+def all_of(flags: Any) -> jax.Array:
+    """The conjunction of a tree of bool scalars (true for an empty tree): one verdict from
+    the verdicts of several buckets or parts of a step."""
+    out = jnp.ones([], jnp.bool_)
+    for flag in jax.tree.leaves(flags):
+        out = out & flag
+    return out
 
 
 def keep_if(finite: jax.Array, new: Any, old: Any) -> Any:

@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxcomm.comm.axes import AxisName
 from jaxcomm.comm.reduce import reduce_tree
 from jaxcomm.comm.state import ReduceState
 from jaxcomm.compressors import Compressor
+from jaxcomm.guard import all_of
 
 PyTree = Any
 
@@ -171,7 +171,5 @@ def compressed_pmean_or_fallback(
         op="all_reduce",
         fallback=fallback,
     )
-    finite = jnp.bool_(True)
-    for flag in flags:
-        finite = finite & flag
+    finite = all_of(flags)
     return (out, new, finite, fresh) if return_fresh else (out, new, finite)

@@ -20,6 +20,7 @@ from jaxcomm.comm.reduce import reduce_tree
 from jaxcomm.comm.state import check_axis_size
 from jaxcomm.comm.state import check_compressor as check_compressor
 from jaxcomm.compressors import NoCompression
+from jaxcomm.guard import all_of
 
 PyTree = Any
 
@@ -177,9 +178,7 @@ def compressed_mean_packed_call(tree, comm, fallback, axis_name, compressor, buc
         tree, comm, axis_name, compressor, bucket_bytes, mean=True, op="all_reduce",
         fallback=fallback,
     )  # fmt: skip
-    finite = jnp.bool_(True)
-    for flag in flags:
-        finite = finite & flag
+    finite = all_of(flags)
     return out, new, finite, fresh, packed
 
 

@@ -14,6 +14,7 @@ import optax
 
 from jaxcomm.compressors import Compressor
 from jaxcomm.fusion import written_once
+from jaxcomm.guard import all_of
 from jaxcomm.optim._common import PyTree, compressed_mean_call, exact_mean, f32, norm, unzip
 from jaxcomm.optim._moments import damped_denominator, ema, leaf_mean
 
@@ -173,14 +174,6 @@ def step_finite(update_norm: jax.Array, variance_mean: jax.Array) -> jax.Array:
     does (a mean above ~3e38 / size, which would make every floored denominator infinite),
     counts as not finite."""
     return jnp.isfinite(update_norm) & jnp.isfinite(variance_mean)
-
-
-def all_of(flags: PyTree) -> jax.Array:
-    """The conjunction of a tree of bool scalars (true for an empty tree)."""
-    out = jnp.ones([], jnp.bool_)
-    for flag in jax.tree.leaves(flags):
-        out = out & flag
-    return out
 
 
 def onebit_momentum(s: LambStep, g, mu, nu, scaling, comm):

@@ -90,7 +90,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 # The model: a GPT-2 style decoder, layers unrolled (shared with the other step benchmarks).
-from step_models import ModelConfig, make_loss  # noqa: E402
+from step_models import ModelConfig, cpu_model, make_loss  # noqa: E402
 
 import jaxcomm as jc  # noqa: E402
 from jaxcomm.comm.axes import AxisName  # noqa: E402
@@ -1149,23 +1149,12 @@ def _source() -> dict:
     return {"commit": commit, "jaxcomm_modified": bool(dirty)}
 
 
-def _cpu() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def _write(args, cfg: ModelConfig, bucket: int | None, rows: list[dict]) -> None:
     report = dict(
         command=" ".join([sys.executable, *sys.argv]),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         machine=dict(platform=platform.platform(), processor=platform.machine(),
-                     cpus=os.cpu_count(), cpu=_cpu()),
+                     cpus=os.cpu_count(), cpu=cpu_model()),
         versions=_versions(),
         model=dict(cfg.__dict__, parameters=cfg.num_params()),
         bucket_bytes=bucket,

@@ -65,6 +65,7 @@ from step_models import (  # noqa: E402
     Method,
     ModelConfig,
     bytes_accessed,
+    cpu_model,
     local_adam_step,
     make_loss,
     methods,
@@ -279,16 +280,6 @@ NOTES = {
 }  # fmt: skip
 
 
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def provenance(model: dict, platform_name: str = "cpu", skips: dict | None = None) -> dict:
     if platform_name == "cpu":
         kind = jax.devices()[0].device_kind
@@ -301,7 +292,7 @@ def provenance(model: dict, platform_name: str = "cpu", skips: dict | None = Non
         versions=dict(python=platform.python_version(), jax=jax.__version__,
                       jaxlib=_version("jaxlib"), optax=_version("optax"),
                       jax_cuda12_plugin=_version("jax-cuda12-plugin")),  # fmt: skip
-        machine=dict(platform=platform.platform(), processor=platform.machine(), cpu=_cpu_model(),
+        machine=dict(platform=platform.platform(), processor=platform.machine(), cpu=cpu_model(),
                      cpus=os.cpu_count(), backend=jax.default_backend(),
                      device_kind=jax.devices()[0].device_kind),  # fmt: skip
         target=dict(platform=platform_name, device_kind=kind,

@@ -6,7 +6,11 @@ with ``B`` the bucket size, set before JAX starts):
 1. **Stages**: compress and decompress throughput of OneBit (pack signs + scale + worker
    residual; unpack scaled signs) and int8 (blockwise absmax quantization; dequantization) on
    one device, as GB/s of bytes read plus written, against the device's copy bandwidth
-   (``y = x + 1`` over the same buffer, read + write).
+   (``y = x + 1`` over the same buffer, read + write), and the bytes each stage's compiled
+   program moves over that minimum ("x minimum": a stage whose program reads its input twice
+   cannot pass half the copy bandwidth, whatever its kernels). ``--stage-bytes TOPOLOGY``
+   compiles only these programs for a topology without its device (``h100:1x1x8``) and
+   prints that measure.
 2. **Overlap**: ``benchmarks/overlap_gpu.py`` (bucketed OneBit mean inside a backward pass,
    with and without the latency-hiding flags), on every GPU present (needs >= 2).
 3. **1-bit Adam against exact Adam**: ``jc.make_train_step`` with ``jc.onebit_adam`` (its
@@ -93,6 +97,9 @@ def _parse(argv):
     p.add_argument("--train-steps", type=int, default=10, help="timed steps per row (section 4)")
     p.add_argument("--budget-s", type=float, default=360.0,
                    help="wall seconds for the whole run: section 4 skips rows past it")
+    p.add_argument("--stage-bytes", metavar="TOPOLOGY", default=None,
+                   help="only compile section 1's stages for TOPOLOGY (e.g. h100:1x1x8) "
+                   "without its device and print the bytes they move against the minimum")
     p.add_argument("--json", metavar="OUT")
     return p.parse_args(argv)
 
@@ -168,22 +175,93 @@ def stage_functions(block: int = 2048) -> dict:
     }
 
 
+def stage_elements(size_mb: float) -> int:
+    return max(int(size_mb * 2**20 / 4) // 2048 * 2048, 2048)
+
+
+def compiled_stage_bytes(device, n: int) -> dict[str, dict]:
+    """Per stage, the bytes its program compiled for ``device`` moves (the HLO count of
+    ``benchmarks/hlo_bytes.py``) and that over the least it must read and write
+    (``over_minimum``; 1.0: one pass). Compile only: ``device`` may be one of a topology
+    compiled without its hardware. A stage whose program moves k times its minimum runs at
+    most at 1/k of the copy bandwidth as the minimum counts it."""
+    import jax
+    from hlo_bytes import hlo_bytes_accessed
+    from jax.sharding import SingleDeviceSharding
+
+    x = jax.ShapeDtypeStruct((n,), jax.numpy.float32)
+    out = {}
+    for name, (inputs, fn, moved) in stage_functions().items():
+        shapes = jax.eval_shape(inputs, x)
+        shapes = shapes if isinstance(shapes, tuple) else (shapes,)
+        placed = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=SingleDeviceSharding(device))
+            for a in shapes
+        ]
+        text = fn.lower(*placed).compile().as_text()
+        hlo = hlo_bytes_accessed(text)
+        out[name] = dict(hlo_bytes=hlo, over_minimum=hlo / moved(n))
+    return out
+
+
 def run_stages(size_mb: float, repeats: int) -> list[dict]:
     import jax
 
-    n = max(int(size_mb * 2**20 / 4) // 2048 * 2048, 2048)
+    n = stage_elements(size_mb)
     dev = jax.devices()[0]
     x = jax.device_put(jax.random.normal(jax.random.key(0), (n,)), dev)
+    compiled = compiled_stage_bytes(dev, n)
     rows = []
     for name, (inputs, fn, moved) in stage_functions().items():
         args = inputs(x)
         secs = median_seconds(fn, *args, repeats=repeats)
         rows.append(dict(stage=name, elements=n, seconds=secs, bytes=moved(n),
-                         gbps=moved(n) / secs / 1e9))  # fmt: skip
+                         gbps=moved(n) / secs / 1e9, **compiled[name]))  # fmt: skip
     copy = rows[0]["gbps"]
     for r in rows:
         r["of_copy"] = r["gbps"] / copy
     return rows
+
+
+def stage_bytes_without_device(topology_name: str, size_mb: float, out: str | None) -> int:
+    """``--stage-bytes TOPOLOGY``: section 1's programs compiled for the topology's first
+    device with no accelerator attached (``benchmarks/aot_report.py``'s topologies, e.g.
+    ``h100:1x1x8``), their bytes against the minimum; nothing runs."""
+    import jax
+    from aot_report import topology
+    from step_models import cpu_model
+
+    _, devices = topology(topology_name)
+    n = stage_elements(size_mb)
+    rows = compiled_stage_bytes(devices[0], n)
+    print(f"section 1's stages compiled for {topology_name} ({devices[0].device_kind}), "
+          f"{size_mb:g} MiB fp32, not run")  # fmt: skip
+    print(f"{'stage':<20}{'moved MB':>10}{'minimum MB':>12}{'x minimum':>11}")
+    for name, (_, _, moved) in stage_functions().items():
+        r = rows[name]
+        print(f"{name:<20}{r['hlo_bytes'] / 1e6:>10.1f}{moved(n) / 1e6:>12.1f}"
+              f"{r['over_minimum']:>11.2f}")  # fmt: skip
+    if out:
+        doc = {
+            "command": " ".join(["python", *sys.argv]),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "versions": _versions(),
+            "topology": topology_name,
+            "device_kind": devices[0].device_kind,
+            "elements": n,
+            "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
+            "note": f"Section 1's programs compiled for {topology_name} without the device; "
+            "bytes moved against the minimum, nothing run.",
+            "measure": "bytes read and written by each stage's program compiled without the "
+            "device (benchmarks/hlo_bytes.py), over the least the stage must read and write",
+            "stages": {
+                name: dict(rows[name], minimum_bytes=moved(n))
+                for name, (_, _, moved) in stage_functions().items()
+            },
+            "jax": jax.__version__,
+        }
+        Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,6 +636,9 @@ def main(argv=None) -> int:
     args = _parse(argv)
     size = SIZES["small" if args.small else "default"]
     bucket = int(size["bucket_mb"] * 2**20)
+    if args.stage_bytes:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        return stage_bytes_without_device(args.stage_bytes, size["stage_mb"], args.json)
     flags = setup_env(args.cpu, bucket)
     import jax
 
@@ -593,10 +674,10 @@ def main(argv=None) -> int:
     if "1" in sections:
         print(f"\n1. compress / decompress on one device, {size['stage_mb']} MiB fp32 buffers")
         stages = run_stages(size["stage_mb"], repeats)
-        print(f"{'stage':<20}{'ms':>10}{'GB/s':>10}{'of copy':>9}")
+        print(f"{'stage':<20}{'ms':>10}{'GB/s':>10}{'of copy':>9}{'x minimum':>11}")
         for r in stages:
             print(f"{r['stage']:<20}{r['seconds'] * 1e3:>10.3f}{r['gbps']:>10.1f}"
-                  f"{r['of_copy']:>9.0%}")  # fmt: skip
+                  f"{r['of_copy']:>9.0%}{r['over_minimum']:>11.2f}")  # fmt: skip
         result["stages"] = stages
         record()
 
@@ -651,7 +732,7 @@ def _versions() -> dict:
     from importlib import metadata
 
     out = {"python": platform_module.python_version()}
-    for pkg in ("jax", "jaxlib", "optax", "flax"):
+    for pkg in ("jaxcomm", "jax", "jaxlib", "optax", "flax"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

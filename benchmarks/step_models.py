@@ -10,12 +10,14 @@
 * :func:`local_adam_step`: the baseline, plain ``jax.jit`` of loss, gradient and
   ``optax.adam``, state donated.
 * :func:`bytes_accessed`: XLA's own cost analysis of a compiled program.
+* :func:`cpu_model`: the host CPU's model name, for the results files' provenance.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -294,3 +296,14 @@ def bytes_accessed(compiled) -> float | None:
     if not cost or "bytes accessed" not in cost:
         return None
     return float(cost["bytes accessed"])
+
+
+def cpu_model() -> str | None:
+    """The host CPU's model name (``/proc/cpuinfo``), ``None`` where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None

@@ -145,3 +145,13 @@ def test_train_rows_past_the_budget_are_skipped(tmp_path):
     rows = json.loads(out.read_text())["train_steps"]["rows"]
     assert len(rows) == 2 * len(gpu_check.TRAIN_ORDER)
     assert all(row["skipped"].startswith("budget") for row in rows)
+
+
+def test_compiled_stage_bytes_are_at_least_what_each_stage_must_move():
+    """Each stage's compiled program moves at least the bytes it must read and write (the
+    minimum section 1's bandwidths are computed from), and the copy exactly those."""
+    rows = gpu_check.compiled_stage_bytes(jax.devices()[0], N)
+    assert set(rows) == set(gpu_check.stage_functions())
+    assert rows["copy (x + 1)"]["over_minimum"] == 1.0
+    for name, r in rows.items():
+        assert r["over_minimum"] >= 1.0, name

@@ -63,7 +63,6 @@ class LambStep:
     params: PyTree  # fp32
     scale: jax.Array | None  # multiplied into each leaf's trust ratio (-lr), or None
     first: jax.Array  # the first compressed update (t = freeze_step + 1)
-    nu_means: PyTree  # each leaf's mean of the state's nu (taken when the warm-up wrote it)
 
     def scaled(self, coeff: jax.Array) -> jax.Array:
         """The leaf's factor of ``u``: ``scale * coeff`` (``coeff`` without a scale)."""
@@ -75,10 +74,8 @@ def step_constants(
     count: jax.Array,
     params: PyTree,
     scale,
-    nu_means: PyTree,
 ) -> LambStep:
-    """The :class:`LambStep` of the update after ``count`` updates (``nu_means``: the
-    state's)."""
+    """The :class:`LambStep` of the update after ``count`` updates."""
     b1, b2, eps = (jnp.asarray(x, jnp.float32) for x in (config.b1, config.b2, config.eps))
     t = optax.safe_increment(count)
     one = jnp.ones([], jnp.float32)
@@ -98,7 +95,6 @@ def step_constants(
         params=f32(params),
         scale=scale,
         first=t == config.freeze_step + 1,
-        nu_means=nu_means,
     )
 
 
@@ -176,17 +172,18 @@ def step_finite(update_norm: jax.Array, variance_mean: jax.Array) -> jax.Array:
     return jnp.isfinite(update_norm) & jnp.isfinite(variance_mean)
 
 
-def onebit_momentum(s: LambStep, g, mu, nu, scaling, comm):
+def onebit_momentum(s: LambStep, g, mu, nu, nu_mean, scaling, comm):
     """The 1-bit mean of the local momenta ``b1 m + (1-b1) g_r``: ``(m, scaling, comm)``.
 
-    DeepSpeed's rule: each leaf's momentum times its ``scaling_coeff`` (set at the switch,
-    :func:`scaling_coefficients`), divided by it after the mean. ``precondition``: divided by
-    the frozen denominator instead (even magnitudes, one scale fits them), identical on every
-    device, and mapped back by it.
+    DeepSpeed's rule: each leaf's momentum times its ``scaling_coeff`` (the last warm-up
+    update's, :func:`scaling_coefficients`), divided by it after the mean. ``precondition``:
+    divided by the frozen denominator instead (floored with ``nu_mean``, the leaves' means of
+    ``nu``; even magnitudes, one scale fits them), identical on every device, and mapped back
+    by it.
     """
     cfg, b1 = s.config, s.b1
     if cfg.precondition:
-        denom = jax.tree.map(lambda v, vm: denominator(s, v, True, vm), nu, s.nu_means)
+        denom = jax.tree.map(lambda v, vm: denominator(s, v, True, vm), nu, nu_mean)
         local = jax.tree.map(lambda m, x, d: (b1 * m + (1 - b1) * x) / d, mu, g, denom)
         avg, comm = compressed_mean_call(
             local, comm, cfg.axis_name, cfg.compressor, cfg.bucket_bytes
@@ -224,7 +221,7 @@ def compressed(s: LambStep, g, mu, nu, nu_fresh, coeff_freeze, last_factor, scal
     the fresh variance of the gradient it implies, and each leaf's ``scaled(coeff_freeze f) u``
     (:func:`correction_factor`); the frozen ``v``'s means are the warm-up's."""
     m_prev = mu
-    mu, scaling, comm = onebit_momentum(s, g, m_prev, nu, scaling, comm)
+    mu, scaling, comm = onebit_momentum(s, g, m_prev, nu, nu_mean, scaling, comm)
 
     first = s.first  # v_fresh starts from v, frozen at freeze_step
 

@@ -443,7 +443,7 @@ def lamb_update(config: LambConfig, scale, updates, state: OneBitLambState, para
             "jaxcomm: onebit_lamb needs params for the trust ratio: call "
             "update(grads, state, params)"
         )
-    s = step_constants(config, state.count, params, scale, state.nu_mean)
+    s = step_constants(config, state.count, params, scale)
     args = (f32(updates), state.mu, state.nu, state.nu_fresh, state.coeff_freeze)
     args += (state.last_factor, state.scaling_coeff, state.comm, state.nu_mean)
     freeze = config.freeze_step

@@ -92,18 +92,24 @@ def two_nodes():
     patch.undo()
 
 
-def _levels(mesh, name: str, axis):
+def _levels(mesh, name: str, axis, phases=None):
+    """The report's level bytes of ``name``'s first counted step; ``phases``: that step's phase
+    values when already probed (the schedule, not the axis, decides them)."""
     method = aot_report.methods()[name]
     (label, count), *_ = method.counts.items()
-    phases = aot_report.phases_by_count(method, 8, BUCKET, axis, 2)[count]
+    if phases is None:
+        phases = aot_report.phases_by_count(method, 8, BUCKET, axis, 2)[count]
     step, state, batch = aot_report.abstract_step(mesh, method, TINY, BUCKET, axis)
     text = step.program(phases).lower(state, batch).compile().as_text()
     analysis = aot_report.analyse(text, list(mesh.devices.flat))
-    return aot_report.level_bytes(text, analysis, mesh, TINY, method, label, two_level=axis != "dp")
+    levels = aot_report.level_bytes(
+        text, analysis, mesh, TINY, method, label, two_level=axis != "dp"
+    )
+    return levels, phases
 
 
 def test_onebit_adam_tuple_within_bound(two_nodes):
-    lv = _levels(two_nodes, "onebit_adam", aot_report.TUPLE)
+    lv, phases = _levels(two_nodes, "onebit_adam", aot_report.TUPLE)
     assert (lv["nodes"], lv["n_fast"], lv["bits"]) == (2, 4, 1)
     assert lv["bound_bytes"] == pytest.approx(1.3 * 2 * TINY.num_params() / 8 / 4)
     across = sum(v for k, v in lv["by_axes"].items() if "host" in k.split(","))
@@ -113,13 +119,13 @@ def test_onebit_adam_tuple_within_bound(two_nodes):
     assert lv["fast_bytes"] > 10 * lv["slow_bytes"]  # the exact fp32 share stays in the node
 
     flat_mesh = jax.sharding.Mesh(two_nodes.devices.reshape(-1), ("dp",))
-    flat = _levels(flat_mesh, "onebit_adam", "dp")
+    flat, _ = _levels(flat_mesh, "onebit_adam", "dp", phases)
     assert (flat["nodes"], flat["n_fast"]) == (2, 4)
     assert flat["slow_bytes"] > 2 * lv["slow_bytes"]  # one flat axis: all 1-bit bytes cross
 
 
 def test_diloco_inner_step_sends_only_scalars_across(two_nodes):
-    lv = _levels(two_nodes, "diloco_inner", aot_report.TUPLE)
+    lv, _ = _levels(two_nodes, "diloco_inner", aot_report.TUPLE)
     assert lv["silent"] and lv["bound_bytes"] == 0
     assert lv["slow_bytes"] <= 16  # the loss the step returns (pmean over both axes)
     assert lv["fast_bytes"] > 0  # the exact gradient mean inside the node

@@ -223,29 +223,28 @@ def run_stages(size_mb: float, repeats: int) -> list[dict]:
     return rows
 
 
-def stage_bytes_without_device(topology_name: str, size_mb: float, out: str | None) -> int:
+def stage_bytes_without_device(
+    topology_name: str, size_mb: float, out: str | None, argv: list[str] | None = None
+) -> int:
     """``--stage-bytes TOPOLOGY``: section 1's programs compiled for the topology's first
     device with no accelerator attached (``benchmarks/aot_report.py``'s topologies, e.g.
     ``h100:1x1x8``), their bytes against the minimum; nothing runs."""
-    import jax
     from aot_report import topology
     from step_models import cpu_model
 
     _, devices = topology(topology_name)
     n = stage_elements(size_mb)
     rows = compiled_stage_bytes(devices[0], n)
+    minimum = {name: moved(n) for name, (_, _, moved) in stage_functions().items()}
     print(f"section 1's stages compiled for {topology_name} ({devices[0].device_kind}), "
           f"{size_mb:g} MiB fp32, not run")  # fmt: skip
     print(f"{'stage':<20}{'moved MB':>10}{'minimum MB':>12}{'x minimum':>11}")
-    for name, (_, _, moved) in stage_functions().items():
-        r = rows[name]
-        print(f"{name:<20}{r['hlo_bytes'] / 1e6:>10.1f}{moved(n) / 1e6:>12.1f}"
+    for name, r in rows.items():
+        print(f"{name:<20}{r['hlo_bytes'] / 1e6:>10.1f}{minimum[name] / 1e6:>12.1f}"
               f"{r['over_minimum']:>11.2f}")  # fmt: skip
     if out:
         doc = {
-            "command": " ".join(["python", *sys.argv]),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "versions": _versions(),
+            **_header(argv),
             "topology": topology_name,
             "device_kind": devices[0].device_kind,
             "elements": n,
@@ -254,11 +253,7 @@ def stage_bytes_without_device(topology_name: str, size_mb: float, out: str | No
             "bytes moved against the minimum, nothing run.",
             "measure": "bytes read and written by each stage's program compiled without the "
             "device (benchmarks/hlo_bytes.py), over the least the stage must read and write",
-            "stages": {
-                name: dict(rows[name], minimum_bytes=moved(n))
-                for name, (_, _, moved) in stage_functions().items()
-            },
-            "jax": jax.__version__,
+            "stages": {name: dict(r, minimum_bytes=minimum[name]) for name, r in rows.items()},
         }
         Path(out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
@@ -638,7 +633,7 @@ def main(argv=None) -> int:
     bucket = int(size["bucket_mb"] * 2**20)
     if args.stage_bytes:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        return stage_bytes_without_device(args.stage_bytes, size["stage_mb"], args.json)
+        return stage_bytes_without_device(args.stage_bytes, size["stage_mb"], args.json, argv)
     flags = setup_env(args.cpu, bucket)
     import jax
 
@@ -658,9 +653,7 @@ def main(argv=None) -> int:
     if args.cpu:
         gpu_flags = jc.xla_flags("gpu", combine_threshold_bytes=bucket)
         print(f"(the GPU run sets XLA_FLAGS={gpu_flags!r})")
-    result: dict = {"command": " ".join(["python", *sys.argv]) if argv is None else argv,
-                    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                    "versions": _versions(), "xla_flags": flags, "devices": len(devices),
+    result: dict = {**_header(argv), "xla_flags": flags, "devices": len(devices),
                     "device_kind": devices[0].device_kind, "platform": platform,
                     "sizes": size, "sections": sorted(sections)}  # fmt: skip
 
@@ -726,6 +719,16 @@ def main(argv=None) -> int:
     if args.cpu:
         print("(CPU smoke run: these figures say nothing about a GPU)")
     return 0
+
+
+def _header(argv: list[str] | None) -> dict:
+    """A results file's command (``argv`` as given to :func:`main`, else this process's), date
+    and versions."""
+    return {
+        "command": " ".join(["python", *sys.argv]) if argv is None else argv,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "versions": _versions(),
+    }
 
 
 def _versions() -> dict:

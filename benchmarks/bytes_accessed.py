@@ -30,8 +30,9 @@ of the ratio are the HLO count. Every optimizer keeps its default arguments ther
         --platform h100 --json benchmarks/results/bytes_accessed_h100.json
 
 ``--unguarded-residuals`` compiles the staged codecs with their new residuals written
-unconditionally instead of kept on a skipped step: not a usable step (a NaN would poison the
-error feedback), only the measure of what the exact skip costs.
+unconditionally instead of kept on a skipped step (and the verdict after the exchange): not a
+usable step (a NaN would poison the error feedback), only the measure of what the exact skip
+costs.
 """
 
 from __future__ import annotations
@@ -394,7 +395,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.unguarded_residuals:
         import jaxcomm.compressors.staged as staged
+        import jaxcomm.fusion as fusion
 
+        # The verdict after the exchange everywhere, and no residual kept by it.
+        fusion.verdict_first = lambda first, after, *operands: after(*operands)
+        staged.verdict_first = fusion.verdict_first
         staged.settle = lambda codec, finite, received_ok, new, old: new
     model, *_ = model_of(args)
     print(f"model: {model}; platform {args.platform}, jax {jax.__version__}")

@@ -11,6 +11,9 @@ once. Both helpers keep the values exact and pick the cheaper program per backen
   guard's): a fused select on GPU, a conditional elsewhere.
 * :func:`written_once`: the values behind an optimization barrier on GPU (materialised once,
   read by every consumer), as they are elsewhere.
+* :func:`verdict_first`: a guarded collective whose verdict on its inputs is exchanged
+  before its payload on GPU, so that the pass that encodes the payload also writes or keeps
+  the error feedback; after the payload elsewhere (no extra exchange).
 * :func:`kept_form`: of two forms of the same state, the one a step should read (and keep
   when skipped): a derived form that fuses into its readers on GPU, the stored buffer
   elsewhere.
@@ -85,6 +88,21 @@ def written_once(*values: Any) -> Any:
         return lax.optimization_barrier(v)
 
     return _on_gpu_else(*values, gpu=once, other=lambda *v: v)
+
+
+def verdict_first(first: Callable, after: Callable, *operands: Any) -> Any:
+    """``first(*operands)`` in a program lowered for a GPU, else ``after(*operands)``: two
+    forms of a guarded compressed collective that give the same values.
+
+    ``first`` exchanges whether every device's input is finite (one bool all-reduce) before
+    the compressed payload, so that one pass reads the input and the old residual and writes
+    the codes and the new residual or the old one: on XLA:GPU the guard then costs one read of
+    the old residual, where deciding after the payload took a second pass over the input and
+    the new residual (for ``Quantize(8, error_feedback=True)`` compiled for 8 H100s, two
+    passes over the bucket). ``after`` decides from the payloads received, with no extra
+    exchange: on XLA:CPU the two forms move the same bytes.
+    """
+    return _on_gpu_else(*operands, gpu=first, other=after)
 
 
 def kept_form(stored: Any, derive: Callable[[], Any]) -> Any:

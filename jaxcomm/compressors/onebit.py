@@ -14,7 +14,9 @@ from jaxcomm.compressors.signs import (
     decode_leaves,
     decode_mean,
     l2_scale,
+    pack_sign_rows,
     residual,
+    scale_bytes,
     scaled_sign_rows,
     server_chunk,
     server_payload,
@@ -24,7 +26,7 @@ from jaxcomm.compressors.signs import (
     worker_payload,
 )
 from jaxcomm.compressors.staged import StagedCodec, TwoStageScatterState, TwoStageState
-from jaxcomm.fusion import write_or_keep, written_once
+from jaxcomm.fusion import verdict_first, write_or_keep, written_once
 
 #: OneBit's states are the two-stage states (the same fields); the names stay for readability.
 OneBitState = TwoStageState
@@ -132,6 +134,37 @@ def _plus_error_by_leaf(flat: jax.Array, error: jax.Array, sizes, axis_name) -> 
     return buf
 
 
+def _exchange_payload(payload: jax.Array, axis_name) -> tuple[jax.Array, jax.Array]:
+    """The worker payloads' all_to_all: the received ``(n, M)`` signs and ``n`` scales."""
+    return signs_and_scales(_all_to_all_rows(ensure_varying(payload, axis_name), axis_name))
+
+
+def _exchange_checked(buf, scale, worker_error, axis_name, axis_size: int):
+    """:meth:`OneBit._exchange` with the guard, the verdict exchanged before the payload.
+
+    ``ok`` (every device's worker scale finite, one bool ``pmin``) is known before ``buf`` is
+    read again, so that one pass reads ``buf`` and the old residual and writes the packed
+    signs and the new residual or the old one (computed in the signs' ``(M, 8)`` rows, the
+    shape of the packing's reduction, and the signs written once, apart from their
+    concatenation with the scale: XLA:GPU then fuses both into that pass). Deciding from the
+    scales received instead, the residual's pass reads ``buf`` a second time. The payload
+    is the same as without the guard.
+    """
+    ok_here = ensure_varying(jnp.isfinite(scale).astype(jnp.int32), axis_name)
+    ok = lax.pmin(ok_here, axis_name) > 0
+    rows = buf.reshape(-1, 8)
+    old = worker_error.reshape(rows.shape)
+    new_error = jnp.where(ok, residual(rows, scale), old).reshape(worker_error.shape)
+    # The same signs either way (2x has the sign of x, NaN and Inf included): the select only
+    # orders the packing after the verdict, which XLA then fuses with the residual's select.
+    (packed,) = written_once(pack_sign_rows(jnp.where(ok, rows, rows + rows)))
+    tail = jnp.broadcast_to(scale_bytes(scale), (axis_size, 4))
+    payload = jnp.concatenate([packed.reshape(axis_size, -1), tail], axis=1)
+    signs, scales = _exchange_payload(payload, axis_name)
+    # Typed varying, as the verdict read from the scales received is.
+    return weighted_sign_sum(signs, scales / axis_size), new_error, ensure_varying(ok, axis_name)
+
+
 @dataclass(frozen=True)
 class OneBit(StagedCodec):
     """DeepSpeed's 1-bit compressed all-reduce with two-stage error feedback.
@@ -231,31 +264,31 @@ class OneBit(StagedCodec):
         scale.
 
         Returns this chunk's mean, the new worker residual and, with ``guard``, whether every
-        device's worker scale is finite (if not, the residual returned is the old one). The
-        scales arrive before the residual is written, so it is written by
-        :func:`~jaxcomm.fusion.write_or_keep`: on XLA:CPU a conditional (the new one from
-        ``buf`` over the donated old one, in place, or the old one passed through), elsewhere
-        a fused select.
+        device's worker scale is finite (if not, the residual returned is the old one), in
+        one of two forms (:func:`~jaxcomm.fusion.verdict_first`): on GPU the verdict is
+        exchanged first (:func:`_exchange_checked`); elsewhere the scales arrive with the
+        signs, before the residual is written, which :func:`~jaxcomm.fusion.write_or_keep`
+        then writes (on XLA:CPU a conditional: the new one from ``buf`` over the donated old
+        one, in place, or the old one passed through).
         """
-        payload = ensure_varying(worker_payload(buf, scale, axis_size), axis_name)
-        received = _all_to_all_rows(payload, axis_name)
-        signs, scales = signs_and_scales(received)
-        finite = None
-        if guard:
+        if not guard:
+            signs, scales = _exchange_payload(worker_payload(buf, scale, axis_size), axis_name)
+            return weighted_sign_sum(signs, scales / axis_size), residual(buf, scale), None
+
+        def after(buf, scale, old):
+            signs, scales = _exchange_payload(worker_payload(buf, scale, axis_size), axis_name)
             # buf is finite iff its L2 norm is (an overflowing norm counts as non-finite), and
             # every output element is a scale times a sign: the scales decide everything.
             finite = jnp.all(jnp.isfinite(scales))
             new_error = write_or_keep(
-                finite,
-                lambda buf, scale, old: residual(buf, scale),
-                lambda buf, scale, old: old,
-                buf,
-                scale,
-                worker_error,
+                finite, lambda b, s, o: residual(b, s), lambda b, s, o: o, buf, scale, old
             )
-        else:
-            new_error = residual(buf, scale)
-        return weighted_sign_sum(signs, scales / axis_size), new_error, finite
+            return weighted_sign_sum(signs, scales / axis_size), new_error, finite
+
+        def first(buf, scale, old):
+            return _exchange_checked(buf, scale, old, axis_name, axis_size)
+
+        return verdict_first(first, after, buf, scale, worker_error)
 
     def _all_reduce(self, flat, state: OneBitState, sizes, axis_name, axis_size, guard):
         """Stages 1-4 up to the gathered server payload: ``(gathered, state, finite)``.

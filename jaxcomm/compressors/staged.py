@@ -45,7 +45,7 @@ from jax import lax
 from jaxcomm._compat import all_gather_replicated, ensure_varying, varying_like
 from jaxcomm.compressors._base import Compressor, rank_major_pending, rank_major_share
 from jaxcomm.compressors.buckets import ceil_div
-from jaxcomm.fusion import write_or_keep
+from jaxcomm.fusion import verdict_first, write_or_keep
 from jaxcomm.guard import probes_finite
 
 #: A payload: the arrays one stage sends, each with a leading ``(n, ...)`` row per destination
@@ -84,6 +84,10 @@ class Transport(Protocol):
         """Every device's arrays, stacked ``(n, ...)``, the same on every device."""
         ...
 
+    def on_every_device(self, flag: jax.Array) -> jax.Array:
+        """Whether a bool scalar is true on every device (the same on every device)."""
+        ...
+
 
 @dataclass(frozen=True)
 class AxisTransport:
@@ -99,6 +103,10 @@ class AxisTransport:
 
     def all_gather(self, wire: Wire) -> Wire:
         return tuple(all_gather_replicated(w, self.axis_name) for w in wire)
+
+    def on_every_device(self, flag: jax.Array) -> jax.Array:
+        flag = ensure_varying(flag.astype(jnp.int32), self.axis_name)
+        return lax.pmin(flag, self.axis_name) > 0
 
 
 class StagedCodec(Compressor):
@@ -202,10 +210,15 @@ class StagedCodec(Compressor):
         return out, new
 
     def guarded_all_reduce_bucket(self, flat, state, bucket, *, axis_name, axis_size):
-        """The stages with the non-finite guard: the verdict read from the payloads where the
-        codec can (:meth:`wire_finite`: no pass over the output or the new residuals), and
-        the residuals written once, kept or replaced (:meth:`keeps_old_worker_error`,
-        :meth:`settle_server_error`)."""
+        """The stages with the non-finite guard, the verdict read from the payloads where the
+        codec can (:meth:`wire_finite`: no pass over the output or the new residuals).
+
+        With a worker probe, the inputs' verdict comes first (:func:`checked_worker`: one
+        bool ``pmin`` before the exchange), so that the pass that encodes the bucket writes
+        the new worker residual or keeps the old one; a non-finite server chunk (finite
+        inputs whose mean overflowed) then keeps only the server residuals. Without one,
+        each residual is written once, kept or replaced, after the exchange
+        (:meth:`keeps_old_worker_error`, :meth:`settle_server_error`)."""
         if not self.error_feedback:
             return super().guarded_all_reduce_bucket(
                 flat, state, bucket, axis_name=axis_name, axis_size=axis_size
@@ -213,10 +226,23 @@ class StagedCodec(Compressor):
         return self._staged(flat, state, AxisTransport(axis_name), axis_size, True)
 
     def _staged(self, flat, state, transport: Transport, axis_size: int, guard: bool):
+        if not (guard and self.error_feedback):
+            return self._stages(flat, state, transport, axis_size, guard, False)
+
+        def stages(first):
+            return lambda flat, state: self._stages(flat, state, transport, axis_size, True, first)
+
+        return verdict_first(stages(True), stages(False), flat, state)
+
+    def _stages(self, flat, state, transport, axis_size: int, guard: bool, first: bool):
         numel = flat.shape[0]
         layout = self.chunk_layout(ceil_div(numel, axis_size))
         ef = self.error_feedback
         worker = worker_stage(self, flat, state.worker_error if ef else None, layout, axis_size)
+        checked = first and worker.probe is not None
+        own_probe = worker.probe
+        if checked:
+            worker, inputs_ok = checked_worker(worker, state.worker_error, transport)
         received = transport.all_to_all(worker.wire)
         server = server_stage(self, received, state.server_error if ef else None, layout)
         gathered = transport.all_gather(server.wire)
@@ -229,6 +255,15 @@ class StagedCodec(Compressor):
         if not guard:
             return finish_stage(self, gathered, numel, axis_size), new, None
         out, finite = guarded_finish(self, worker.probe, gathered, numel, layout, axis_size, new)
+        if checked:
+            # The worker payloads were finite exactly when the inputs were (zeros otherwise).
+            server_error = self.settle_server_error(
+                finite, inputs_ok, new.server_error, state.server_error
+            )
+            # Replicated here; typed as the verdict after the exchange is (by this device's
+            # payload), which the other form returns.
+            finite = varying_like(finite, own_probe)
+            return out, new._replace(server_error=server_error), finite
         return out, settle(self, finite, server.received_ok, new, state), finite
 
     def reduce_scatter(self, rows, state, *, axis_name, axis_size):
@@ -319,6 +354,25 @@ def worker_stage(
     return WorkerOut(tuple(wire), new, probe)
 
 
+def checked_worker(
+    worker: WorkerOut, old_error: jax.Array, transport: Transport
+) -> tuple[WorkerOut, jax.Array]:
+    """The worker stage once every device's input is known finite: the verdict first.
+
+    ``ok``, whether :attr:`WorkerOut.probe` is finite on every device, costs one bool
+    exchange before the payload's; then the pass that encodes the bucket writes either the
+    new worker residual or the old one (it reads the old one anyway: ``x + e_w``). Deciding
+    after the exchange instead took another pass reading the new residual, the old one and
+    writing one of them (two more passes over the bucket). On a step that is not ``ok`` the
+    payload is zeros, the old residual is kept, and the probe becomes NaN, so that
+    :func:`guarded_finish` says not finite. Returns the stage and ``ok``."""
+    ok = transport.on_every_device(probes_finite([worker.probe]))
+    old = old_error.reshape(worker.error.shape)
+    wire = tuple(jnp.where(ok, w, jnp.zeros_like(w)) for w in worker.wire)
+    probe = jnp.where(ok, jnp.float32(0), jnp.float32(jnp.nan))
+    return WorkerOut(wire, jnp.where(ok, worker.error, old), probe), ok
+
+
 def server_stage(codec: StagedCodec, received: Wire, error: jax.Array | None, layout) -> ServerOut:
     """Stage 3: this device's chunk of the mean from the ``received`` worker rows, plus
     ``error`` (the server residual), re-encoded."""
@@ -354,17 +408,16 @@ def guarded_finish(
     Read from this device's worker payload (``worker_probe``, :attr:`WorkerOut.probe`) and
     every device's server payload where the codec can (:meth:`StagedCodec.wire_finite`: its
     input is finite iff its worker wire is, every chunk iff the gathered wires are), with no
-    pass over the mean or the residuals; else from the values themselves. A codec whose
-    output decides finiteness (``output_decides_finite``, OneBit) then decodes by a
-    conditional: the mean, or NaN everywhere.
+    pass over the mean or the residuals, and the mean is then decoded by
+    :func:`~jaxcomm.fusion.write_or_keep`: the mean, or NaN everywhere (a bucket's mean is
+    finite or NaN as a whole, whichever payload carried the non-finite values); else from
+    the values themselves.
     """
     gathered_probe = codec.wire_finite(gathered, numel, layout[1])
     if worker_probe is None or gathered_probe is None:
         mean = finish_stage(codec, gathered, numel, axis_size)
         return mean, probes_finite([mean, *jax.tree_util.tree_leaves(new)])
     finite = probes_finite([worker_probe, gathered_probe])
-    if not codec.output_decides_finite:
-        return finish_stage(codec, gathered, numel, axis_size), finite
 
     def nan(gathered):
         out = jnp.full((numel,), jnp.nan, jnp.float32)

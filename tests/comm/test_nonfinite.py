@@ -314,3 +314,48 @@ def test_pmean_or_fallback_refuses_a_fallback_unlike_the_tree():
         call({"v": jnp.ones(3)})
     with pytest.raises(ValueError, match="shape"):
         call({"w": jnp.ones(4)})
+
+
+VERDICT_FIRST = [
+    pytest.param(jc.OneBit(), id="onebit"),
+    pytest.param(jc.Quantize(bits=8, error_feedback=True), id="int8-ef"),
+    pytest.param(jc.Quantize(bits=4, block_size=8, error_feedback=True), id="int4-ef"),
+]
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("comp", VERDICT_FIRST)
+def test_the_verdict_exchanged_first_gives_the_same_steps(mesh, comp, op, monkeypatch):
+    """The GPU form (the inputs' verdict exchanged before the payload, the residual written or
+    kept in the encoding pass) against the CPU form (decided from the payloads received), run
+    on CPU: finite steps, a NaN, an Inf, and inputs whose scale overflows give the same outputs,
+    residuals and counts; the guarded programs hold one int32 all-reduce, before the payload
+    (Quantize's reduce-scatter, the sharded optimizers', still decides after its payload)."""
+    import jaxcomm.fusion as fusion
+    from jaxcomm.inspect import collectives_in_hlo
+
+    huge = jax.tree.map(lambda x: x * np.float32(5e37), data(6))
+    inputs = [data(1), data(2, bad=(3, np.nan)), data(3), data(4, bad=(5, np.inf)), huge, data(5)]
+
+    def run():
+        step, state = make_step(mesh, comp, op)
+        outs = []
+        for x in inputs:
+            out, state = step(x, state)
+            outs.append((out, state))
+        return step, state, outs
+
+    _, _, want = run()
+    monkeypatch.setattr(fusion, "_on_gpu_else", lambda *ops, gpu, other: gpu(*ops))
+    step, state, got = run()
+    for t, (g, w) in enumerate(zip(got, want, strict=True)):
+        for a, b in zip(host(g), host(w), strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {t}")
+    text = step.lower(data(1), state).compile().as_text()
+    ops = collectives_in_hlo(text)
+    verdicts = [i for i, o in enumerate(ops) if o.op == "all-reduce"]
+    if op == "reduce_scatter" and isinstance(comp, jc.Quantize):
+        assert not verdicts, [o.line for o in ops]  # decided after the payload
+        return
+    assert [ops[i].dtypes for i in verdicts] == [("s32",)], [o.line for o in ops]
+    assert verdicts[0] < min(i for i, o in enumerate(ops) if o.op == "all-to-all")

@@ -240,7 +240,6 @@ class StagedCodec(Compressor):
         ef = self.error_feedback
         worker = worker_stage(self, flat, state.worker_error if ef else None, layout, axis_size)
         checked = first and worker.probe is not None
-        own_probe = worker.probe
         if checked:
             worker, inputs_ok = checked_worker(worker, state.worker_error, transport)
         received = transport.all_to_all(worker.wire)
@@ -262,7 +261,7 @@ class StagedCodec(Compressor):
             )
             # Replicated here; typed as the verdict after the exchange is (by this device's
             # payload), which the other form returns.
-            finite = varying_like(finite, own_probe)
+            finite = varying_like(finite, worker.error)
             return out, new._replace(server_error=server_error), finite
         return out, settle(self, finite, server.received_ok, new, state), finite
 
@@ -366,6 +365,7 @@ def checked_worker(
     writing one of them (two more passes over the bucket). On a step that is not ``ok`` the
     payload is zeros, the old residual is kept, and the probe becomes NaN, so that
     :func:`guarded_finish` says not finite. Returns the stage and ``ok``."""
+    assert worker.probe is not None and worker.error is not None  # a guarded staged codec
     ok = transport.on_every_device(probes_finite([worker.probe]))
     old = old_error.reshape(worker.error.shape)
     wire = tuple(jnp.where(ok, w, jnp.zeros_like(w)) for w in worker.wire)

@@ -92,14 +92,15 @@ def written_once(*values: Any) -> Any:
 
 def verdict_first(first: Callable, after: Callable, *operands: Any) -> Any:
     """``first(*operands)`` in a program lowered for a GPU, else ``after(*operands)``: two
-    forms of a guarded compressed collective that give the same values.
+    forms of a guarded compressed collective that give the same values (one corner aside: a
+    mean that overflows fp32 from finite inputs; see the staged codecs' guard).
 
     ``first`` exchanges whether every device's input is finite (one bool all-reduce) before
     the compressed payload, so that one pass reads the input and the old residual and writes
     the codes and the new residual or the old one: on XLA:GPU the guard then costs one read of
-    the old residual, where deciding after the payload took a second pass over the input and
-    the new residual (for ``Quantize(8, error_feedback=True)`` compiled for 8 H100s, two
-    passes over the bucket). ``after`` decides from the payloads received, with no extra
+    the old residual, where deciding after the payload took a pass of its own reading the
+    input again (for ``Quantize(8, error_feedback=True)`` compiled for 8 H100s, one pass over
+    the bucket more per step). ``after`` decides from the payloads received, with no extra
     exchange: on XLA:CPU the two forms move the same bytes.
     """
     return _on_gpu_else(*operands, gpu=first, other=after)

@@ -213,12 +213,12 @@ class StagedCodec(Compressor):
         """The stages with the non-finite guard, the verdict read from the payloads where the
         codec can (:meth:`wire_finite`: no pass over the output or the new residuals).
 
-        With a worker probe, the inputs' verdict comes first (:func:`checked_worker`: one
-        bool ``pmin`` before the exchange), so that the pass that encodes the bucket writes
-        the new worker residual or keeps the old one; a non-finite server chunk (finite
-        inputs whose mean overflowed) then keeps only the server residuals. Without one,
-        each residual is written once, kept or replaced, after the exchange
-        (:meth:`keeps_old_worker_error`, :meth:`settle_server_error`)."""
+        On GPU, with a worker probe, the inputs' verdict comes first (:func:`checked_worker`:
+        one bool ``pmin`` before the exchange), so that the pass that encodes the bucket
+        writes the new worker residual or keeps the old one; a non-finite server chunk
+        (finite inputs whose mean overflowed) then keeps only the server residuals.
+        Elsewhere, or without a probe, each residual is written once, kept or replaced,
+        after the exchange (:meth:`keeps_old_worker_error`, :meth:`settle_server_error`)."""
         if not self.error_feedback:
             return super().guarded_all_reduce_bucket(
                 flat, state, bucket, axis_name=axis_name, axis_size=axis_size
@@ -361,10 +361,9 @@ def checked_worker(
     ``ok``, whether :attr:`WorkerOut.probe` is finite on every device, costs one bool
     exchange before the payload's; then the pass that encodes the bucket writes either the
     new worker residual or the old one (it reads the old one anyway: ``x + e_w``). Deciding
-    after the exchange instead took another pass reading the new residual, the old one and
-    writing one of them (two more passes over the bucket). On a step that is not ``ok`` the
-    payload is zeros, the old residual is kept, and the probe becomes NaN, so that
-    :func:`guarded_finish` says not finite. Returns the stage and ``ok``."""
+    after the exchange instead takes a pass of its own, reading the bucket again. On a step
+    that is not ``ok`` the payload is zeros, the old residual is kept, and the probe becomes
+    NaN, so that :func:`guarded_finish` says not finite. Returns the stage and ``ok``."""
     assert worker.probe is not None and worker.error is not None  # a guarded staged codec
     ok = transport.on_every_device(probes_finite([worker.probe]))
     old = old_error.reshape(worker.error.shape)

@@ -74,9 +74,12 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     """Inverse of :func:`pack_int4` as int8 (sign-extended by arithmetic shifts); the last axis
     doubles."""
     signed = lax.bitcast_convert_type(packed, jnp.int8)
-    low = (signed << 4) >> 4
-    high = signed >> 4
-    both = jnp.stack([low, high], axis=-1)
+    # One elementwise op over the unpacked shape, the nibble chosen by position: XLA:CPU
+    # vectorises it (a copy's speed), where stacking the two halves runs 4-5x slower.
+    pair = (*packed.shape, 2)
+    high = lax.broadcasted_iota(jnp.int32, pair, packed.ndim) == 1
+    byte = jnp.broadcast_to(signed[..., None], pair)
+    both = jnp.where(high, byte >> 4, (byte << 4) >> 4)
     return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 

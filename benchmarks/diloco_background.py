@@ -175,18 +175,23 @@ def _worker(args: argparse.Namespace) -> None:
     times = {name: [] for name in names}
     cpu = {name: [] for name in names}  # this process's CPU seconds (all threads) per cycle
     threads: dict = {name: [] for name in names}  # the same by thread
+    core = int(os.environ["RANK"]) % os.cpu_count() if args.pin else None
+    cores: dict = {name: [] for name in names}  # the pinned core's time by kind, per cycle
     links = runs["background"].background._links if "background" in runs else None
     sent = links.sent_bytes if links else 0
     for _ in range(args.repeats):
         for name in names:
             barrier(token).block_until_ready()
             sync_thread = _sync_thread(runs.get("background"))
+            k0 = _core_times(core)
             t0, c0, th0 = time.perf_counter(), time.process_time(), _thread_cpu(sync_thread)
             jax.block_until_ready(runs[name](H))
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-            th1 = _thread_cpu(sync_thread)
+            th1, k1 = _thread_cpu(sync_thread), _core_times(core)
             threads[name].append({k: th1[k] - th0[k] for k in th0})
+            if k0 and k1:
+                cores[name].append({k: k1[k] - k0[k] for k in k0})
     sent = (links.sent_bytes - sent) / args.repeats if links else None
     trace = None
     if args.trace and "background" in runs:
@@ -198,6 +203,7 @@ def _worker(args: argparse.Namespace) -> None:
         "times": times,
         "cpu": cpu,
         "thread_cpu": threads,
+        **({"core": cores} if core is not None else {}),
         "compile_s": compile_s,
         "tau": tau,
         "sent_bytes_per_cycle": sent,
@@ -230,6 +236,33 @@ def _thread_cpu(sync_thread: int | None) -> dict[str, float]:
         )
         out[group] += ns / 1e9
     return out
+
+
+def _core_times(core: int | None) -> dict[str, float] | None:
+    """The seconds core ``core`` has spent so far (``/proc/stat``, 10 ms ticks) running
+    processes (``user``: user + nice + system), in interrupts (``irq``: irq + softirq; the
+    emulated link's packets are handled there, charged to no process), idle (idle + iowait)
+    and taken by the hypervisor (``steal``: on a VM, time the core did not run at all);
+    ``None`` unpinned or where unreadable."""
+    if core is None:
+        return None
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith(f"cpu{core} "):
+                ticks = [int(v) for v in line.split()[1:9]]
+                break
+        else:
+            return None
+    except OSError:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq, steal = (t / hz for t in ticks)
+    return {
+        "user": user + nice + system,
+        "irq": irq + softirq,
+        "idle": idle + iowait,
+        "steal": steal,
+    }
 
 
 def _sync_thread(run) -> int | None:
@@ -353,6 +386,21 @@ def _thread_medians(ranks: list[dict]) -> dict:
     }
 
 
+def _core_medians(ranks: list[dict]) -> dict:
+    """Each row's median seconds per cycle of each rank's pinned core by kind (user, irq,
+    idle, steal: :func:`_core_times`)."""
+    import statistics
+
+    return {
+        k: [
+            {g: statistics.median(c[g] for c in r["core"][k]) for g in r["core"][k][0]}
+            for r in ranks
+        ]
+        for k in ranks[0]["core"]
+        if all(r["core"][k] for r in ranks)
+    }
+
+
 def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
     from _two_ranks import provenance, slower_rank_medians
     from train_step_1gbit import TRANSFORMER
@@ -385,6 +433,7 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
         "compile_s": {k: max(r["compile_s"][k] for r in ranks) for k in cycle},
         **({"cpu_s_per_cycle": _cpu(ranks)} if "cpu" in ranks[0] else {}),
         **({"thread_cpu_s_per_cycle": _thread_medians(ranks)} if "thread_cpu" in ranks[0] else {}),
+        **({"core_s_per_cycle": _core_medians(ranks)} if ranks[0].get("core") else {}),
         "ratios": ratios,
         **({"background_wire": wire} if wire else {}),
         **({"trace": [r["trace"] for r in ranks]} if ranks[0].get("trace") else {}),

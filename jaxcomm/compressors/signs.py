@@ -29,8 +29,8 @@ def scaled_sign_rows(packed: jax.Array, scale: jax.Array | float) -> jax.Array:
 
     A select of ``scale`` or ``-scale`` on the bit of each position, shifted down by its index
     along the new axis (an iota): XLA:CPU vectorises it whatever shape its consumer reads, at
-    about a write's speed (masking with a constant array of the 8 bits instead ran 6-15x
-    slower once a consumer read it flat or as a leaf's shape).
+    about a write's speed (masking with a constant array of the 8 bits instead ran several
+    times slower once a consumer read it flat or as a leaf's shape).
     """
     shape = (*packed.shape, 8)
     position = lax.broadcasted_iota(jnp.uint8, shape, packed.ndim)

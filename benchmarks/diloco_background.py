@@ -373,31 +373,18 @@ def _cpu(ranks: list[dict]) -> dict:
     return {k: [statistics.median(r["cpu"][k]) for r in ranks] for k in ranks[0]["cpu"]}
 
 
-def _thread_medians(ranks: list[dict]) -> dict:
-    """Each row's median CPU seconds per cycle by thread group, per rank."""
+def _medians_by_kind(ranks: list[dict], field: str) -> dict:
+    """Each row's median seconds per cycle by kind, per rank, of the per-cycle dicts in
+    ``field``: ``"thread_cpu"`` (CPU by thread group) or ``"core"`` (the pinned core's time by
+    kind, :func:`_core_times`); a row with no record on some rank is left out."""
     import statistics
 
     return {
         k: [
-            {g: statistics.median(c[g] for c in r["thread_cpu"][k]) for g in r["thread_cpu"][k][0]}
-            for r in ranks
+            {g: statistics.median(c[g] for c in r[field][k]) for g in r[field][k][0]} for r in ranks
         ]
-        for k in ranks[0]["thread_cpu"]
-    }
-
-
-def _core_medians(ranks: list[dict]) -> dict:
-    """Each row's median seconds per cycle of each rank's pinned core by kind (user, irq,
-    idle, steal: :func:`_core_times`)."""
-    import statistics
-
-    return {
-        k: [
-            {g: statistics.median(c[g] for c in r["core"][k]) for g in r["core"][k][0]}
-            for r in ranks
-        ]
-        for k in ranks[0]["core"]
-        if all(r["core"][k] for r in ranks)
+        for k in ranks[0][field]
+        if all(r[field][k] for r in ranks)
     }
 
 
@@ -432,8 +419,12 @@ def _summarize(ranks: list[dict], args, shaped: bool) -> dict:
         "rounds_s": [{k: [round(t, 4) for t in v] for k, v in r["times"].items()} for r in ranks],
         "compile_s": {k: max(r["compile_s"][k] for r in ranks) for k in cycle},
         **({"cpu_s_per_cycle": _cpu(ranks)} if "cpu" in ranks[0] else {}),
-        **({"thread_cpu_s_per_cycle": _thread_medians(ranks)} if "thread_cpu" in ranks[0] else {}),
-        **({"core_s_per_cycle": _core_medians(ranks)} if ranks[0].get("core") else {}),
+        **(
+            {"thread_cpu_s_per_cycle": _medians_by_kind(ranks, "thread_cpu")}
+            if "thread_cpu" in ranks[0]
+            else {}
+        ),
+        **({"core_s_per_cycle": _medians_by_kind(ranks, "core")} if ranks[0].get("core") else {}),
         "ratios": ratios,
         **({"background_wire": wire} if wire else {}),
         **({"trace": [r["trace"] for r in ranks]} if ranks[0].get("trace") else {}),

@@ -17,6 +17,8 @@ once. Both helpers keep the values exact and pick the cheaper program per backen
 * :func:`kept_form`: of two forms of the same state, the one a step should read (and keep
   when skipped): a derived form that fuses into its readers on GPU, the stored buffer
   elsewhere.
+* :func:`apart_on_cpu`: inputs that XLA:CPU must not share between two computations, so that
+  each output's computation fuses with the select that keeps it (GPU does this by itself).
 
 The GPU forms were chosen on programs compiled for 8 H100s (``benchmarks/bytes_accessed.py
 --platform h100``, ``benchmarks/results/bytes_accessed_h100.json``: 1-bit Adam's compressed
@@ -117,6 +119,24 @@ def kept_form(stored: Any, derive: Callable[[], Any]) -> Any:
     unvectorised: reading the stored buffer is faster there.
     """
     return _on_gpu_else(stored, gpu=lambda _: derive(), other=lambda s: s)
+
+
+def apart_on_cpu(*values: Any) -> Any:
+    """``values`` (a tuple), behind an optimization barrier on XLA:CPU (no bytes move: the
+    barrier's outputs are its inputs' buffers), as they are elsewhere.
+
+    XLA merges equal computations, and XLA:CPU writes a value read by two consumers once,
+    then reads it in each. For a kept update (``where(ok, f(x), old)`` for two outputs of one
+    ``f``, as an optimizer's new parameters and new state) that is a pass writing ``f(x)``
+    and one more reading it for each select. Computing one output from the values behind
+    the barrier keeps the two computations apart, and each fuses into its own select:
+    one pass per output. XLA:GPU already fuses a producer into each of its consumers.
+    """
+
+    def apart(*v):
+        return lax.optimization_barrier(v)
+
+    return lax.platform_dependent(*values, cpu=apart, default=lambda *v: v)
 
 
 def _on_gpu_else(*operands: Any, gpu: Callable, other: Callable) -> Any:

@@ -12,7 +12,7 @@ from jax import lax
 
 import jaxcomm as jc
 from jaxcomm import fusion
-from jaxcomm.fusion import write_or_keep, written_once
+from jaxcomm.fusion import apart_on_cpu, write_or_keep, written_once
 
 
 def _write(x, old):
@@ -69,6 +69,18 @@ def test_written_once_is_a_barrier_on_gpu_only():
     assert "optimization_barrier" not in _lowered(fn, x, platform="cpu")
     assert "optimization_barrier" not in _lowered(fn, x, platform="tpu")
     assert "optimization_barrier" in _lowered(fn, x, platform="cuda")
+
+
+def test_apart_on_cpu_is_a_barrier_on_cpu_only():
+    def fn(x):
+        (y,) = apart_on_cpu(x)
+        return y * 2.0
+
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x)), np.arange(4.0) * 2.0)
+    assert "optimization_barrier" in _lowered(fn, x, platform="cpu")
+    assert "optimization_barrier" not in _lowered(fn, x, platform="tpu")
+    assert "optimization_barrier" not in _lowered(fn, x, platform="cuda")
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from jax import lax
 
 from jaxcomm._compat import ensure_varying
 from jaxcomm.comm.axes import AxisName
-from jaxcomm.fusion import written_once
+from jaxcomm.fusion import apart_on_cpu, written_once
 from jaxcomm.guard import SkipCounters, keep_if
 from jaxcomm.optim._common import resolve_axis_size, varying
 from jaxcomm.optim._skip import all_finite
@@ -107,8 +107,11 @@ def make_outer_step(outer: optax.GradientTransformation, alpha, axis_name: AxisN
     f32 = jnp.float32
 
     def outer_step(delta, theta, outer_state, local, skips: SkipCounters):
-        updates, new_outer = outer.update(delta, outer_state, theta)
+        updates, _ = outer.update(delta, outer_state, theta)
         new_theta = optax.apply_updates(theta, updates)
+        # The new outer state from its own copy of the inputs (on CPU): each of the two fuses
+        # into the select that keeps it, instead of both being written and read back.
+        _, new_outer = outer.update(*apart_on_cpu(delta, outer_state, theta))
         # The probe recomputes the new anchor from its inputs behind a barrier (on GPU): else
         # XLA:GPU writes it for the probe and reads it back in the selects (H100 program:
         # -1 pass of the parameters).

@@ -126,6 +126,10 @@ class ZeroOneStep:
             new_m = lax.optimization_barrier(jnp.where(ok, ema(mu, g, self.b1), mu))
             step = step_of(new_m)
             return new_m, jnp.where(ok, u - step, u), jnp.where(ok, -step, jnp.zeros_like(step))
+        if isinstance(kind, int) and kind == 0:  # a phase-specialised variance update
+            # As the local step: the step reads the new m, written in place over the old.
+            new_m = lax.optimization_barrier(jnp.where(ok, ema(mu, mean, self.b1), mu))
+            return new_m, u, jnp.where(ok, -step_of(new_m), jnp.zeros_like(mu))
 
         # Kind 0, variance update: the exact mean gradient updates m (and v, before this).
         m_var = ema(mu, mean, self.b1)

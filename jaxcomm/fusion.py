@@ -4,8 +4,9 @@ A memory-bound step costs the bytes it moves, and the same computation can move 
 bytes on different backends: XLA:CPU runs a conditional's taken branch in place, while XLA:GPU
 copies a conditional's outputs into the program's outputs; XLA:GPU fuses a buffer's producer
 into each of its consumers, re-reading every input per consumer, unless the buffer is written
-once. Both helpers keep the values exact and pick the cheaper program per backend at lowering
-(``lax.platform_dependent``: one branch is compiled, none runs at run time):
+once. The helpers keep the values and pick the cheaper program per backend at lowering
+(``lax.platform_dependent``: one branch is compiled, none runs at run time); exactly, except
+that :func:`apart_on_cpu` fuses an expression differently, which may round it differently:
 
 * :func:`write_or_keep`: ``write(...)`` or ``keep(...)`` on a scalar verdict (the non-finite
   guard's): a fused select on GPU, a conditional elsewhere.

@@ -120,16 +120,16 @@ class ZeroOneStep:
         def step_of(m):
             return self.leaf_step(m, den, p)
 
-        if isinstance(kind, int) and kind == 2:  # a phase-specialised local step
-            # The new m is written over the old in place and the step read from it (the
-            # barrier orders the two): a step that read the old m besides would make XLA copy m.
-            new_m = lax.optimization_barrier(jnp.where(ok, ema(mu, g, self.b1), mu))
+        if isinstance(kind, int) and kind in (0, 2):  # a phase-specialised variance update
+            # or local step: the new m (of the exact mean gradient, or of this device's) is
+            # written over the old in place and the step read from it (the barrier orders the
+            # two): a step that read the old m besides would make XLA copy m.
+            new_m = lax.optimization_barrier(
+                jnp.where(ok, ema(mu, mean if kind == 0 else g, self.b1), mu)
+            )
             step = step_of(new_m)
-            return new_m, jnp.where(ok, u - step, u), jnp.where(ok, -step, jnp.zeros_like(step))
-        if isinstance(kind, int) and kind == 0:  # a phase-specialised variance update
-            # As the local step: the step reads the new m, written in place over the old.
-            new_m = lax.optimization_barrier(jnp.where(ok, ema(mu, mean, self.b1), mu))
-            return new_m, u, jnp.where(ok, -step_of(new_m), jnp.zeros_like(mu))
+            new_u = u if kind == 0 else jnp.where(ok, u - step, u)  # only local steps accumulate
+            return new_m, new_u, jnp.where(ok, -step, jnp.zeros_like(step))
 
         # Kind 0, variance update: the exact mean gradient updates m (and v, before this).
         m_var = ema(mu, mean, self.b1)

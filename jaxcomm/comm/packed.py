@@ -89,3 +89,27 @@ def unpack_mean(
         for i, leaf in zip(bucket.leaf_ids, leaves_of_bucket, strict=True):
             out[i] = leaf.astype(jnp.float32)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def packed_mean_squares(
+    packed: tuple, like: PyTree, compressor: Compressor, bucket_bytes: int | None
+) -> PyTree | None:
+    """Each leaf's mean of squares of the mean ``packed`` stands for (a bucket's packed form
+    each, as :func:`unpack_mean` reads them), as a tree of fp32 scalars structured like
+    ``like``, from the packed form alone; ``None`` where the compressor cannot give a bucket's
+    (:meth:`~jaxcomm.Compressor.packed_mean_squares`).
+
+    A leaf's RMS then costs no pass over the leaf (a reduction of the decoded leaf reads all of
+    it, and on CPU has it written first).
+    """
+    leaves, treedef, buckets = plan_tree(like, compressor, bucket_bytes)
+    out: list[Any] = [None] * len(leaves)
+    for bucket, bucket_packed in zip(buckets, packed, strict=True):
+        squares = compressor.packed_mean_squares(bucket_packed, bucket)
+        if squares is None:
+            return None
+        for i, square in zip(bucket.leaf_ids, squares, strict=True):
+            out[i] = square
+    if any(square is None for square in out):
+        return None
+    return jax.tree_util.tree_unflatten(treedef, out)

@@ -197,6 +197,13 @@ class Compressor(abc.ABC):
         """The bucket's mean, as its leaves (fp32), from :meth:`init_packed_mean`'s form."""
         raise NotImplementedError(f"{type(self).__name__} has no packed mean")
 
+    def packed_mean_squares(self, packed: Any, bucket: Bucket) -> list[jax.Array] | None:
+        """Each leaf's mean of squares of :meth:`unpack_mean`'s values, from the packed form
+        without a pass over the leaves, or ``None`` where the compressor cannot (the
+        default): a consumer that needs a leaf's RMS then reduces the decoded leaf."""
+        del packed, bucket
+        return None
+
     def guarded_reduce_scatter_bucket(
         self, rows: jax.Array, state: Any, bucket: Bucket, *, axis_name, axis_size
     ) -> tuple[jax.Array, Any, jax.Array]:

@@ -14,6 +14,7 @@ from jaxcomm.compressors.signs import (
     decode_leaves,
     decode_mean,
     l2_scale,
+    leaf_mean_squares,
     pack_sign_rows,
     residual,
     scale_bytes,
@@ -381,6 +382,10 @@ class OneBit(StagedCodec):
     def unpack_mean(self, packed, bucket):
         signs, scales = signs_and_scales(packed[0])
         return decode_leaves(signs, scales, bucket.shapes)
+
+    def packed_mean_squares(self, packed, bucket):
+        signs, scales = signs_and_scales(packed[0])
+        return leaf_mean_squares(scales, signs.shape[1] * 8, bucket.shapes)
 
     def _reduce_scatter(self, rows, state: OneBitScatterState, axis_name, axis_size, guard):
         row_numel = rows.shape[1]

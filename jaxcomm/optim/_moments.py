@@ -99,9 +99,16 @@ def resolve_freeze_step(name: str, freeze_step, total_steps: int | None):
     return freeze_step
 
 
-def clip_step_rms(step: jax.Array, max_rms: float | None, enabled: jax.Array | bool) -> jax.Array:
+def clip_step_rms(
+    step: jax.Array,
+    max_rms: float | None,
+    enabled: jax.Array | bool,
+    mean_square: jax.Array | None = None,
+) -> jax.Array:
     """``step * min(1, max_rms / rms(step))`` with ``rms`` over the leaf, where ``enabled``
-    (``max_rms=None``, an empty leaf or ``enabled`` false: ``step`` itself).
+    (``max_rms=None``, an empty leaf or ``enabled`` false: ``step`` itself). ``mean_square``,
+    where given, is ``mean(step^2)`` known without reading ``step`` (a 1-bit mean's, from its
+    scales).
 
     The bound of the 1-bit optimizers after their variance freeze. Adam's step ``m_hat /
     sqrt(v_hat)`` has a mean square of at most 1 per coordinate when the gradients are
@@ -112,7 +119,9 @@ def clip_step_rms(step: jax.Array, max_rms: float | None, enabled: jax.Array | b
     for bit)."""
     if max_rms is None or step.size == 0 or enabled is False:
         return step
-    rms = jnp.sqrt(jnp.mean(jnp.square(step)))
+    if mean_square is None:
+        mean_square = jnp.mean(jnp.square(step))
+    rms = jnp.sqrt(jnp.asarray(mean_square, step.dtype))
     factor = jnp.minimum(jnp.ones([], step.dtype), jnp.asarray(max_rms, step.dtype) / rms)
     if enabled is not True:
         factor = jnp.where(enabled, factor, jnp.ones_like(factor))

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.comm.axes import AxisName
-from jaxcomm.comm.packed import PackedMean, init_packed_mean, unpack_mean
+from jaxcomm.comm.packed import PackedMean, init_packed_mean, packed_mean_squares, unpack_mean
 from jaxcomm.comm.state import ReduceState, init_state
 from jaxcomm.compressors import Compressor, OneBit
 from jaxcomm.fusion import kept_form
@@ -293,7 +293,19 @@ def scale_by_onebit_adam(
                 lambda m, den: (m / c1) / jnp.where(frozen, one, den), mu, denominator(nu, frozen)
             )
         # After the freeze, each leaf's step is bounded in RMS (max_step_rms, see onebit_adam).
-        step = jax.tree.map(lambda x: clip_step_rms(x, max_step_rms, frozen), step)
+        # Where the step is the 1-bit mean, its RMS comes from the message's scales: a
+        # reduction of the decoded step would read it whole (on CPU: write it, then read it).
+        squares = None
+        if frozen is True and fresh is not None and packed is not None and precondition:
+            squares = packed_mean_squares(packed, state.mu, compressor, bucket_bytes)
+        if squares is None:
+            step = jax.tree.map(lambda x: clip_step_rms(x, max_step_rms, frozen), step)
+        else:
+            step = jax.tree.map(
+                lambda x, sq: clip_step_rms(x, max_step_rms, frozen, mean_square=sq / c1**2),
+                step,
+                squares,
+            )
         direction = zeros_unless(ok, step)
         skips = count_skips(ok, state.skips, max_consecutive_skips, "onebit_adam")
         new_state = OneBitAdamState(

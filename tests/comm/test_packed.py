@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm as jc
-from jaxcomm.comm.packed import init_packed_mean, packs_mean, unpack_mean
+from jaxcomm.comm.packed import init_packed_mean, packed_mean_squares, packs_mean, unpack_mean
 from jaxcomm.comm.reduce import reduce_tree
 from tests.conftest import NUM_DEVICES
 from tests.reference.onebit_reference import OneBitAllReduceModel
@@ -90,6 +90,32 @@ def test_packed_mean_decodes_to_the_onebit_mean(mesh, bucket_bytes):
         want = jax.tree.map(lambda x: (x.shape, x.dtype), template.buckets)
         assert got == want
     assert not bool(template.valid)
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 1], ids=["one-bucket", "bucket-per-leaf"])
+def test_packed_mean_squares_are_the_decoded_leaves_mean_squares(mesh, bucket_bytes):
+    """Each leaf's mean square, from the scales alone, is that of its decoded values, where
+    leaves straddle the devices' chunks (8 devices: 16-element chunks of a 70-element bucket)
+    and where each leaf has a bucket of its own; fp32 rounding of a few products."""
+    compressor = jc.OneBit()
+    step, state, local = build(mesh, compressor, bucket_bytes)
+    fallback = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    for k in range(2):
+        _, _, decoded, packed, state = step(per_device(10 + k), state, fallback)
+        squares = packed_mean_squares(packed, local, compressor, bucket_bytes)
+        for name in SHAPES:
+            want = np.mean(np.square(np.asarray(decoded[name], np.float64)))
+            np.testing.assert_allclose(float(squares[name]), want, rtol=2e-6, err_msg=name)
+
+
+def test_packed_mean_squares_only_where_the_compressor_gives_them():
+    """A compressor without them (the default) gives ``None``: the consumer reduces the
+    decoded leaves itself."""
+    local = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+    packed = init_packed_mean(local, jc.OneBit(), None, "dp", N).buckets
+    assert packed_mean_squares(packed, local, jc.Quantize(bits=8), None) is None
+    zeros = packed_mean_squares(packed, local, jc.OneBit(), None)
+    assert all(float(zeros[k]) == 0.0 for k in SHAPES)
 
 
 def flat_per_device(tree):

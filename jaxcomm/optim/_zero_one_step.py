@@ -142,10 +142,12 @@ class ZeroOneStep:
         u_acc = u - step
         # Kind 3, synchronisation: the mean accumulated update replaces the local ones; its
         # momentum-space mean is of m_hat = m / c1, so times c1 it is m (DeepSpeed: c1 = 1).
-        # p + delta = (p - lr*update) - u + avg / denom, DeepSpeed's order of the three terms.
+        # DeepSpeed's p - lr*update - (u - lr*update) + avg / denom is p - u + avg / denom:
+        # written so, the step reads neither the gradient nor the momentum again (the local
+        # step's terms cancel, up to rounding). Preconditioned, avg / denom is the mean itself.
         avg = mapped
         m_sync = -avg / lrs_sync * self.c1
-        sync_delta = (-step - u_acc) + avg / den
+        sync_delta = (mean if self.precondition else avg / den) - u
 
         new_m = by_kind(kind, (m_var, m_onebit, m_local, m_sync))
         new_u = by_kind(kind, (u, u, u_acc, jnp.zeros_like(u)))

@@ -106,3 +106,43 @@ def test_kept_variance_means_are_the_means_of_nu_through_every_phase():
                 assert float(opt.nu_mean[k]) == float(before.nu_mean[k])
     assert int(state.opt_state.skips.total) == 1
     assert {(0,), (1,), (2,), (3,), (4,)} <= seen  # every kind of step ran
+
+
+def test_sync_step_reads_neither_gradient_nor_momentum_for_its_parameter_change():
+    """A synchronisation's parameter change, DeepSpeed's ``-lr*update - (u - lr*update) +
+    avg / denom``, is ``avg / denom - u``: the local step's terms cancel. Written so, the
+    compiled change of one leaf (XLA:CPU cost analysis) reads ``u`` and the mean and writes the
+    change, 3 arrays (preconditioned: ``avg / denom`` is the mean), where DeepSpeed's order
+    also reads the gradient, the momentum and the variance (6); equal to DeepSpeed's order up
+    to fp32 rounding, of the same sign and magnitude as ``u``."""
+    import jax
+
+    from jaxcomm.optim._zero_one_step import ZeroOneStep
+
+    n = 1 << 16
+    rng = np.random.default_rng(0)
+    g, mu, u, mean = (jnp.asarray(rng.normal(size=n), jnp.float32) for _ in range(4))
+    nu = jnp.asarray(rng.uniform(0.5, 2.0, size=n), jnp.float32)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    step = ZeroOneStep(
+        b1=f32(0.9), b2=f32(0.999), b2_var=f32(0.999), eps=f32(1e-8), wd=f32(0.0),
+        lr=f32(1e-3), t=jnp.int32(20), var_freeze_step=5, c1=f32(0.88), c2=f32(0.5),
+        first_sync=False, floor=0.1, precondition=True, compress_momentum=True, params=None,
+        axis_name="dp", compressor=jc.OneBit(), bucket_bytes=None, nu_means=None,
+    )  # fmt: skip
+
+    def change(g, mu, nu, u, mean):
+        nu_mean = jnp.mean(nu)
+        _, _, delta = step.apply_leaf(3, True, g, mu, nu, nu_mean, u, mean, None, f32(4e-3))
+        return delta
+
+    compiled = jax.jit(change).lower(g, mu, nu, u, mean).compile()
+    assert compiled.cost_analysis()["bytes accessed"] / (4 * n) <= 3.01
+    # DeepSpeed's order, in float64.
+    den = np.sqrt(np.asarray(nu, np.float64) / 0.5)
+    den = np.maximum(den, 0.1 * np.sqrt(np.mean(np.asarray(nu, np.float64)) / 0.5)) + 1e-8
+    m_local = 0.9 * np.asarray(mu, np.float64) + 0.1 * np.asarray(g, np.float64)
+    local = 1e-3 * (m_local / 0.88) / den
+    avg = np.asarray(mean, np.float64) * den
+    want = -local - (np.asarray(u, np.float64) - local) + avg / den
+    np.testing.assert_allclose(np.asarray(compiled(g, mu, nu, u, mean)), want, rtol=1e-6, atol=1e-6)

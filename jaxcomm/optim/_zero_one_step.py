@@ -49,9 +49,12 @@ class ZeroOneStep:
         ``v_mean``: ``mean(v)`` when known."""
         return damped_denominator(v, self.eps, self.floor, scale=self.c2, mean=v_mean)
 
-    def leaf_step(self, m: jax.Array, den: jax.Array, p: jax.Array | None) -> jax.Array:
-        """``lr * (m_hat / den + wd * p)`` for one leaf (before the sign)."""
-        update = (m / self.c1) / den
+    def leaf_step(
+        self, m: jax.Array, den: jax.Array | None, p: jax.Array | None
+    ) -> jax.Array:
+        """``lr * (m_hat / den + wd * p)`` for one leaf (before the sign); ``den=None``: ``m``
+        is already ``m / den``."""
+        update = m / self.c1 if den is None else (m / self.c1) / den
         if p is not None:
             update = update + self.wd * p
         return self.lr * update
@@ -149,9 +152,15 @@ class ZeroOneStep:
         m_sync = -avg / lrs_sync * self.c1
         sync_delta = (mean if self.precondition else avg / den) - u
 
+        # Preconditioned, the 1-bit momentum's m / den is the mean itself: its step need not
+        # read the variance (the momentum, mean * den, does).
+        if self.precondition and self.compress_momentum:
+            onebit_step = self.leaf_step(mean, None, p)
+        else:
+            onebit_step = step_of(m_onebit)
         new_m = by_kind(kind, (m_var, m_onebit, m_local, m_sync))
         new_u = by_kind(kind, (u, u, u_acc, jnp.zeros_like(u)))
-        delta = by_kind(kind, (-step_of(m_var), -step_of(m_onebit), -step, sync_delta))
+        delta = by_kind(kind, (-step_of(m_var), -onebit_step, -step, sync_delta))
         return (
             jnp.where(ok, new_m, mu),
             jnp.where(ok, new_u, u),

@@ -6,6 +6,7 @@ synchronisation)."""
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxcomm as jc
 from tests.conftest import NUM_DEVICES
@@ -108,13 +109,15 @@ def test_kept_variance_means_are_the_means_of_nu_through_every_phase():
     assert {(0,), (1,), (2,), (3,), (4,)} <= seen  # every kind of step ran
 
 
-def test_sync_step_reads_neither_gradient_nor_momentum_for_its_parameter_change():
-    """A synchronisation's parameter change, DeepSpeed's ``-lr*update - (u - lr*update) +
-    avg / denom``, is ``avg / denom - u``: the local step's terms cancel. Written so, the
-    compiled change of one leaf (XLA:CPU cost analysis) reads ``u`` and the mean and writes the
-    change, 3 arrays (preconditioned: ``avg / denom`` is the mean), where DeepSpeed's order
-    also reads the gradient, the momentum and the variance (6); equal to DeepSpeed's order up
-    to fp32 rounding, of the same sign and magnitude as ``u``."""
+@pytest.mark.parametrize("kind", [1, 3], ids=["onebit-momentum", "sync"])
+def test_compressed_steps_parameter_change_reads_only_what_it_needs(kind):
+    """Preconditioned, the 1-bit momentum is ``m = mean * denom`` and its step ``lr * (m / c1)
+    / denom`` is ``lr * mean / c1``; a synchronisation's parameter change, DeepSpeed's
+    ``-lr*update - (u - lr*update) + avg / denom``, is ``avg / denom - u`` (the local step's
+    terms cancel; ``avg / denom`` is the mean). Written so, the compiled change of one leaf
+    (XLA:CPU cost analysis) reads the mean (and ``u``) and writes the change: 2 (3) arrays,
+    where the written-out forms also read the variance (and the gradient and the momentum):
+    3 (7). Equal to DeepSpeed's forms, in float64, up to fp32 rounding."""
     import jax
 
     from jaxcomm.optim._zero_one_step import ZeroOneStep
@@ -133,16 +136,18 @@ def test_sync_step_reads_neither_gradient_nor_momentum_for_its_parameter_change(
 
     def change(g, mu, nu, u, mean):
         nu_mean = jnp.mean(nu)
-        _, _, delta = step.apply_leaf(3, True, g, mu, nu, nu_mean, u, mean, None, f32(4e-3))
+        _, _, delta = step.apply_leaf(kind, True, g, mu, nu, nu_mean, u, mean, None, f32(4e-3))
         return delta
 
     compiled = jax.jit(change).lower(g, mu, nu, u, mean).compile()
-    assert compiled.cost_analysis()["bytes accessed"] / (4 * n) <= 3.01
-    # DeepSpeed's order, in float64.
-    den = np.sqrt(np.asarray(nu, np.float64) / 0.5)
-    den = np.maximum(den, 0.1 * np.sqrt(np.mean(np.asarray(nu, np.float64)) / 0.5)) + 1e-8
-    m_local = 0.9 * np.asarray(mu, np.float64) + 0.1 * np.asarray(g, np.float64)
-    local = 1e-3 * (m_local / 0.88) / den
-    avg = np.asarray(mean, np.float64) * den
-    want = -local - (np.asarray(u, np.float64) - local) + avg / den
-    np.testing.assert_allclose(np.asarray(compiled(g, mu, nu, u, mean)), want, rtol=1e-6, atol=1e-6)
+    assert compiled.cost_analysis()["bytes accessed"] / (4 * n) <= {1: 2.01, 3: 3.01}[kind]
+    as64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    den = np.sqrt(as64(nu) / 0.5)
+    den = np.maximum(den, 0.1 * np.sqrt(np.mean(as64(nu)) / 0.5)) + 1e-8
+    avg = as64(mean) * den  # the mean in momentum space
+    if kind == 1:
+        want = -1e-3 * (avg / 0.88) / den
+    else:
+        local = 1e-3 * ((0.9 * as64(mu) + 0.1 * as64(g)) / 0.88) / den
+        want = -local - (as64(u) - local) + avg / den
+    np.testing.assert_allclose(np.asarray(compiled(g, mu, nu, u, mean)), want, rtol=1e-6, atol=1e-7)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxcomm.comm.axes import AxisName, axis_names
 from jaxcomm.comm.state import plan_tree
 from jaxcomm.compressors import Compressor
+from jaxcomm.compressors.buckets import map_buckets
 
 PyTree = Any
 
@@ -83,11 +84,12 @@ def unpack_mean(
     reads the packed bytes, not a dense leaf (XLA:CPU unpacks bits element by element).
     """
     leaves, treedef, buckets = plan_tree(like, compressor, bucket_bytes)
-    out: list[Any] = [None] * len(leaves)
-    for bucket, bucket_packed in zip(buckets, packed.buckets, strict=True):
+
+    def decoded(bucket, bucket_packed):
         leaves_of_bucket = compressor.unpack_mean(bucket_packed, bucket)
-        for i, leaf in zip(bucket.leaf_ids, leaves_of_bucket, strict=True):
-            out[i] = leaf.astype(jnp.float32)
+        return [leaf.astype(jnp.float32) for leaf in leaves_of_bucket], None
+
+    out, _ = map_buckets(decoded, buckets, len(leaves), packed.buckets)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -103,13 +105,8 @@ def packed_mean_squares(
     it, and on CPU has it written first).
     """
     leaves, treedef, buckets = plan_tree(like, compressor, bucket_bytes)
-    out: list[Any] = [None] * len(leaves)
-    for bucket, bucket_packed in zip(buckets, packed, strict=True):
-        squares = compressor.packed_mean_squares(bucket_packed, bucket)
-        if squares is None:
-            return None
-        for i, square in zip(bucket.leaf_ids, squares, strict=True):
-            out[i] = square
-    if any(square is None for square in out):
+    squares = [compressor.packed_mean_squares(p, b) for b, p in zip(buckets, packed, strict=True)]
+    if any(s is None for s in squares):
         return None
+    out, _ = map_buckets(lambda bucket, s: (s, None), buckets, len(leaves), squares)
     return jax.tree_util.tree_unflatten(treedef, out)
